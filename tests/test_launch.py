@@ -1,0 +1,159 @@
+"`distcourse.launch`: real process groups from `launch`, loud failures, free ports, launchers from the shell."
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from accelerate.state import PartialState
+
+from conftest import ACCELERATE, PY
+from distcourse.launch import (accelerator_worker, free_port, hello_worker, launch, make_accelerator,
+                               plain_worker, verify_world_size)
+
+CPU = {"ACCELERATE_USE_CPU": "true"}  # gloo on CPU, on machines with a GPU too
+
+
+def reports(d, pattern="*.json"):
+    return [json.loads(p.read_text()) for p in sorted(Path(d).glob(pattern))]
+
+
+def test_two_processes_form_one_gloo_group(tmp_path):
+    launch(accelerator_worker, (tmp_path,), num_processes=2, **CPU)
+    seen = reports(tmp_path)
+    assert [(s["num_processes"], s["process_index"]) for s in seen] == [(2, 0), (2, 1)]
+    assert {(s["distributed_type"], s["backend"]) for s in seen} == {("MULTI_CPU", "gloo")}
+    assert [s["sum"] for s in seen] == [3.0, 3.0]  # 1 + 2, the same on both ranks
+    assert not PartialState._shared_state          # nothing left behind in this process
+
+
+def test_raw_processes_on_the_given_port(tmp_path):
+    port = free_port()
+    launch(hello_worker, (tmp_path,), num_processes=2, port=port)
+    seen = reports(tmp_path)
+    assert [r["rank"] for r in seen] == [0, 1] and {r["world"] for r in seen} == {2}
+    assert [r["sum"] for r in seen] == [3.0, 3.0] and seen[0]["pid"] != seen[1]["pid"]
+    assert {r["env"]["MASTER_PORT"] for r in seen} == {str(port)}
+
+
+def _asks_for_two():
+    verify_world_size(make_accelerator(), expected=2)
+
+
+def test_verify_world_size_raises_on_mismatch(tmp_path):
+    "In one process, expected=2 raises; the in-process run leaves no Accelerate state behind."
+    with pytest.raises(RuntimeError, match=r"expected=2 but the Accelerator realised 1 process\(es\)"):
+        launch(_asks_for_two, num_processes=1, **CPU)
+    assert not PartialState._shared_state
+    launch(accelerator_worker, (tmp_path,), num_processes=2, **CPU)  # so a 2-process launch still works
+    assert len(reports(tmp_path)) == 2
+
+
+def _full_precision(out_dir):
+    Path(out_dir, "mp.json").write_text(json.dumps(make_accelerator().mixed_precision))
+
+
+def test_an_earlier_accelerator_does_not_leak(tmp_path):
+    "An Accelerator made in this process (bf16) neither blocks launches nor reaches the launched function."
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    try:
+        Accelerator(cpu=True, mixed_precision="bf16")
+        launch(_full_precision, (tmp_path,), num_processes=1, **CPU)
+        assert json.loads((tmp_path / "mp.json").read_text()) == "no"
+        launch(accelerator_worker, (tmp_path,), num_processes=2, **CPU)
+        assert len(reports(tmp_path, "rank*.json")) == 2
+        assert AcceleratorState().mixed_precision == "bf16"  # the caller's state is back
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True); GradientState._reset_state()
+
+
+def test_plain_accelerator_on_cpu_is_caught_on_every_rank(tmp_path):
+    "A plain Accelerator() without ACCELERATE_USE_CPU: two lone processes, each told why."
+    launch(plain_worker, (tmp_path,), num_processes=2, ACCELERATE_USE_CPU="false")
+    seen = reports(tmp_path)
+    assert [(s["num_processes"], s["process_index"]) for s in seen] == [(1, 0), (1, 0)]
+    assert all("DISTCOURSE_WORLD_SIZE=2 but the Accelerator realised 1" in s["error"] for s in seen)
+
+
+def _strict_plain(out_dir):
+    from accelerate import Accelerator
+    verify_world_size(Accelerator())
+
+
+def test_failure_in_the_processes_reaches_the_caller(tmp_path):
+    with pytest.raises(Exception, match="realised 1 process"):
+        launch(_strict_plain, (tmp_path,), num_processes=2, ACCELERATE_USE_CPU="false")
+
+
+def test_mixed_precision_through_the_environment(tmp_path):
+    launch(accelerator_worker, (tmp_path,), num_processes=2, ACCELERATE_MIXED_PRECISION="bf16", **CPU)
+    assert {s["mixed_precision"] for s in reports(tmp_path)} == {"bf16"}
+
+
+def test_bad_num_processes():
+    with pytest.raises(ValueError, match="num_processes=0"):
+        launch(print, num_processes=0)
+
+
+def test_free_ports_are_distinct_and_usable():
+    ports = [free_port() for _ in range(4)]
+    assert len(set(ports)) == 4 and 29500 not in ports
+    for p in ports:
+        with socket.socket() as s: s.bind(("127.0.0.1", p))  # raises if it were taken
+
+
+def test_two_launches_at_once(tmp_path):
+    "Two notebooks launching at the same time (as under nbdev-test) both succeed, on different ports."
+    code = "import sys; from distcourse.launch import launch, hello_worker; launch(hello_worker, (sys.argv[1],))"
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for o in outs: o.mkdir()
+    procs = [subprocess.Popen([PY, "-c", code, str(o)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for o in outs]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    runs = [reports(o) for o in outs]
+    assert all([r["sum"] for r in run] == [3.0, 3.0] for run in runs)
+    ports = [run[0]["env"]["MASTER_PORT"] for run in runs]
+    assert ports[0] != ports[1] and "29500" not in ports
+
+
+# `accelerate launch` / torchrun from the shell, checked by `python -m distcourse.launch`.
+LAUNCHERS = {
+    "--multi_gpu --num_processes 2": (0, "ok: 2 process(es), MULTI_CPU"),
+    "--num_processes 2": (1, "was given several processes but started one"),   # no --multi_gpu: one process
+    "--cpu --num_processes 2": (1, "was given several processes but started one"),
+    "--num_processes 1": (0, "ok: 1 process(es)"),                            # no false alarm
+}
+
+
+@pytest.fixture(scope="module")
+def shell_launches():
+    "All launcher command lines at once (each takes a few seconds to start)."
+    procs = {flags: subprocess.Popen([*ACCELERATE, *flags.split(), "--main_process_port", str(free_port()),
+                                      "-m", "distcourse.launch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, **CPU})
+             for flags in LAUNCHERS}
+    procs["torchrun"] = subprocess.Popen(
+        [PY, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         "-m", "distcourse.launch"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **CPU})
+    return {k: (p.wait(timeout=300), *p.communicate()) for k, p in procs.items()}
+
+
+@pytest.mark.parametrize("flags", list(LAUNCHERS))
+def test_accelerate_launch_flags(shell_launches, flags):
+    rc, out, err = shell_launches[flags]
+    want_rc, want = LAUNCHERS[flags]
+    assert (rc != 0) == bool(want_rc), err[-3000:]
+    assert want in (out if want_rc == 0 else err), (out, err[-3000:])
+    if want_rc == 0: assert out.count("ok:") == 1  # only the main process reports
+
+
+def test_torchrun(shell_launches):
+    rc, out, err = shell_launches["torchrun"]
+    assert rc == 0, err[-3000:]
+    assert "ok: 2 process(es), MULTI_CPU, backend gloo, ranks [0, 1]" in out
