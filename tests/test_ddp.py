@@ -1,0 +1,115 @@
+"""`distcourse.ddp` with real processes (2 on CPU, gloo): gradients by hand = DDP = one process, and
+1 × 8 = 2 × 4 = 1 × 4 × 2 step for step."""
+import json
+from functools import partial
+from itertools import islice
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+
+from distcourse.ddp import grads_by_hand, grads_ddp, setup, train_step, train_worker
+from distcourse.launch import launch, make_accelerator
+from distcourse.loop import epochs, loss_sum, make_optimizer, make_scheduler
+
+CPU = {"ACCELERATE_USE_CPU": "true"}  # gloo on CPU, on machines with a GPU too
+STEPS = 5
+TASKS = ["clm", "cls"]  # cls: variable-length examples, each micro-batch padded to its own longest
+
+
+def flat(d):
+    return torch.cat([v.detach().double().flatten() for k, v in sorted(d.items()) if v.is_floating_point()])
+
+
+def rel_diff(a, b) -> float:
+    "‖a - b‖ / ‖a‖ with all tensors of each dict as one vector."
+    return ((flat(a) - flat(b)).norm() / flat(a).norm()).item()
+
+
+def one_process_grads(task):
+    "Gradient of the mean loss over the 8 examples the two ranks draw, in this process."
+    model, train_dl, _ = setup(task)
+    ds = train_dl.dataset
+    idx = [i for r in range(2) for i in islice(DistributedSampler(ds, num_replicas=2, rank=r, seed=0), 4)]
+    s, n = loss_sum(model, train_dl.collate_fn([ds[i] for i in idx]), task)
+    (s / n).backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_gradients_by_hand_and_ddp_equal_one_process(task, tmp_path):
+    launch(grads_by_hand, (tmp_path, task), num_processes=2, **CPU)
+    launch(grads_ddp, (tmp_path, task), num_processes=2, **CPU)
+    ref = one_process_grads(task)
+    hand = [torch.load(tmp_path / f"by_hand_rank{r}.pt") for r in (0, 1)]
+    ddp = [torch.load(tmp_path / f"ddp_rank{r}.pt") for r in (0, 1)]
+    assert rel_diff(hand[0], hand[1]) == 0 and rel_diff(ddp[0], ddp[1]) == 0  # identical on the two ranks
+    for got in (hand[0], ddp[0]):
+        assert got.keys() == ref.keys()
+        assert rel_diff(ref, got) < 1e-6
+        assert all(torch.allclose(ref[k], got[k], rtol=1e-4, atol=1e-8) for k in ref)
+
+
+CONFIGS = {"1x8": dict(num_processes=1, batch_size=8),
+           "2x4": dict(num_processes=2, batch_size=4),
+           "1x4x2": dict(num_processes=1, batch_size=4, grad_accum=2),
+           "1x4x2 G=2": dict(num_processes=1, batch_size=4, grad_accum=2,
+                             accelerator_kwargs={"gradient_accumulation_steps": 2})}
+
+
+@pytest.fixture(scope="module", params=TASKS)
+def runs(request, tmp_path_factory):
+    "The same seeded training, split four ways; rank 0's history and final weights for each."
+    task, out = request.param, {}
+    for name, cfg in CONFIGS.items():
+        cfg = dict(cfg)
+        n, d = cfg.pop("num_processes"), tmp_path_factory.mktemp(f"{request.param}_{name.replace(' ', '_')}")
+        launch(partial(train_worker, steps=STEPS, **cfg), (d, task), num_processes=n, **CPU)
+        out[name] = (json.loads((d / "history.json").read_text()), torch.load(d / "weights.pt"))
+    return task, out
+
+
+def test_runs_are_what_they_claim(runs):
+    _, out = runs
+    assert [out[k][0]["world"] for k in CONFIGS] == [1, 2, 1, 1]
+    for hist, _ in out.values():
+        assert len(hist["train"]) == STEPS
+        assert hist["val"]["samples"] == hist["val_size"]  # gather_for_metrics: each example once
+
+
+def test_same_losses_tokens_and_schedule(runs):
+    _, out = runs
+    ref = out["1x8"][0]["train"]
+    for name, (hist, _) in out.items():
+        assert [r["tokens"] for r in hist["train"]] == [r["tokens"] for r in ref], name
+        assert [r["lr"] for r in hist["train"]] == [r["lr"] for r in ref], name
+        worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(hist["train"], ref))
+        assert worst <= 1e-5, (name, worst)
+
+
+def test_same_final_weights(runs):
+    task, out = runs
+    init = setup(task)[0].state_dict()
+    w0 = out["1x8"][1]
+    update = {k: w0[k] - init[k] for k in w0 if w0[k].is_floating_point()}
+    assert flat(update).norm() > 0  # training moved the weights
+    for name, (_, w) in out.items():
+        assert rel_diff(w0, w) <= 1e-5, name
+        assert rel_diff(update, {k: w[k] - init[k] for k in update}) <= 1e-5, name  # relative to the change
+
+
+def _prepared_scheduler_steps(out_dir):
+    "2 processes, default Accelerator (the scheduler would step twice per call): train_step steps it once."
+    acc = make_accelerator()
+    model, train_dl, _ = setup("cls", batch_size=4)
+    opt = make_optimizer(model, 1e-3)
+    model, opt, train_dl, sched = acc.prepare(model, opt, train_dl, make_scheduler(opt, 2, 10))
+    batches = epochs(train_dl)
+    for _ in range(3): train_step(acc, model, opt, sched, [next(batches)], "cls")
+    if acc.is_main_process: Path(out_dir, "steps.json").write_text(json.dumps(sched.scheduler.last_epoch))
+
+
+def test_prepared_scheduler_steps_once_per_step(tmp_path):
+    launch(_prepared_scheduler_steps, (tmp_path,), num_processes=2, **CPU)
+    assert json.loads((tmp_path / "steps.json").read_text()) == 3
