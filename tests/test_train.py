@@ -1,0 +1,112 @@
+"The CLI contract of `distcourse.train`: outputs, 1 vs 2 processes, bad inputs."
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
+
+TINY = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "12", "--log_every", "1",
+        "--eval_every", "6", "--save_every", "6"]
+
+
+def records(out):
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    "The same tiny run with 1 process × batch 8 and with 2 processes × batch 4."
+    tmp = tmp_path_factory.mktemp("runs")
+    one = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(tmp / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+                   "-m", "distcourse.train", *TINY, "--batch_size", "4", "--output_dir", str(tmp / "two")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    return {"one": (tmp / "one", one), "two": (tmp / "two", two)}
+
+
+def test_outputs(runs):
+    out, proc = runs["one"]
+    run = json.loads((out / "run.json").read_text())
+    for key in ("world_size", "distributed_type", "mixed_precision", "device", "num_parameters", "val_size",
+                "config", "wall_time_s", "final"):
+        assert key in run, key
+    assert run["world_size"] == 1 and run["config"]["model"] == "tiny"
+    recs = records(out)
+    train = [r for r in recs if "split" not in r]
+    assert [r["step"] for r in train] == list(range(1, 13))
+    assert all(set(r) == {"step", "loss", "lr", "tokens", "tokens_per_s"} for r in train)
+    evals = [r for r in recs if r.get("split") == "val"]
+    assert [r["step"] for r in evals] == [0, 6, 12]
+    assert all(r["samples"] == run["val_size"] and "perplexity" in r for r in evals)
+    assert evals[-1]["loss"] < evals[0]["loss"]
+    assert (out / "checkpoints/step_6").is_dir() and (out / "checkpoints/step_12").is_dir()
+    assert (out / "loss.png").stat().st_size > 0
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert model.num_parameters() == run["num_parameters"] and len(tok) <= model.config.vocab_size
+
+
+def test_two_processes_are_real_and_equal(runs):
+    (o1, _), (o2, p2) = runs["one"], runs["two"]
+    run2 = json.loads((o2 / "run.json").read_text())
+    assert run2["world_size"] == 2 and run2["distributed_type"] == "MULTI_CPU"
+    assert p2.stdout.count("outputs in") == 1  # only the main process prints the summary
+    evals = [r for r in records(o2) if r.get("split") == "val"]
+    assert all(r["samples"] == run2["val_size"] for r in evals)
+    # 1 process × 8 and 2 processes × 4 see the same examples per step: same losses.
+    l1 = [r["loss"] for r in records(o1) if "split" not in r]
+    l2 = [r["loss"] for r in records(o2) if "split" not in r]
+    assert len(l1) == len(l2) == 12
+    worst = max(abs(a - b) / abs(a) for a, b in zip(l1, l2))
+    assert worst <= 1e-5, worst
+
+
+def test_resume_latest(runs, tmp_path):
+    "A resumed run continues from the newest checkpoint and appends to the same metrics."
+    out, _ = runs["one"]
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(out),
+                    "--resume", "latest", "--max_steps", "14"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [r["step"] for r in records(out) if "split" not in r]
+    assert steps[-2:] == [13, 14]
+
+
+BAD = [
+    (["--bogus", "1"], "unknown flag: --bogus"),
+    (["--config", "no/such.yaml"], "--config"),
+    (["--task", "seq2seq"], "--task"),
+    (["--model", "tinny"], "--model"),
+    (["--model", "someone/some-model"], "--model"),
+    (["--seq_len", "100000"], "--seq_len"),
+    (["--batch_size", "0"], "--batch_size"),
+    (["--lr", "-1"], "--lr"),
+    (["--grad_accum", "0"], "--grad_accum"),
+    (["--mixed_precision", "fp8"], "--mixed_precision"),
+    (["--resume", "no/such/checkpoint"], "--resume"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", BAD, ids=[b[1] for b in BAD])
+def test_bad_inputs(argv, flag, tmp_path, capsys):
+    "Each bad input: exit code 2, one line naming the flag, no traceback, nothing written."
+    from distcourse.train import main
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny", "--output_dir", str(out), *argv])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"distcourse.train: error: {flag}"), err
+    assert not out.exists()
+
+
+def test_bad_input_every_rank_same_message(tmp_path):
+    "Under a 2-process launch both ranks fail before any work, with the same one-line message."
+    out = tmp_path / "out"
+    proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+                    "-m", "distcourse.train", "--model", "tiny", "--batch_size", "0", "--output_dir", str(out)])
+    assert proc.returncode != 0
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("distcourse.train: error:")]
+    assert len(lines) == 2 and len(set(lines)) == 1 and "--batch_size" in lines[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr.split("distcourse.train: error:")[0] and not out.exists()
