@@ -1,0 +1,210 @@
+"ZeRO stages 0-3 on 2 real processes: memory model, measured bytes, losses, traffic, the trainer's --zero_stage."
+import importlib.util
+import json
+import re
+from dataclasses import fields
+from types import SimpleNamespace
+
+import pytest
+from accelerate.utils import DistributedType
+
+from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
+from distcourse.zero import STAGES, prepare_zero, ring_bytes_sent, zero_bytes
+
+LOSS_TOL = 1e-4  # |Δloss| vs DDP; measured ≤ 2e-6 over 8 steps (clipping norms summed in another order)
+
+
+def close(got, want, rel):
+    return abs(got - want) <= rel * abs(want)
+
+
+def launch_worker(tmp_path, worker="zero_worker", **kw):
+    "Run `distcourse.zero.<worker>(tmp_path, **kw)` on 2 processes in a fresh interpreter; its results."
+    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
+            f"from distcourse.zero import {worker} as w; "
+            "launch(partial(w, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes=2)")
+    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = "zero.json" if worker == "zero_worker" else "deepspeed.json"
+    res = json.loads((tmp_path / name).read_text())
+    return {int(k) if k.isdigit() else k: v for k, v in res.items()}
+
+
+# ------------------------------------------------------------------ the memory model, by hand
+def test_zero_bytes_by_hand():
+    fp32 = {0: (4000, 4000, 8000), 1: (4000, 4000, 2000), 2: (4000, 1000, 2000), 3: (1000, 1000, 2000)}
+    mixed = {0: (2000, 2000, 12000), 1: (2000, 2000, 3000), 2: (2000, 500, 3000), 3: (500, 500, 3000)}
+    for table, precision in ((fp32, "fp32"), (mixed, "mixed")):
+        for stage, (p, g, o) in table.items():
+            assert zero_bytes(1000, 4, stage, precision) == {"params": p, "grads": g, "optimizer": o,
+                                                             "total": p + g + o}, (stage, precision)
+    # The ZeRO paper's Figure 1: 7.5B parameters, 64 GPUs, mixed precision.
+    psi = 7_500_000_000
+    assert [zero_bytes(psi, 64, s, "mixed")["total"] for s in STAGES] == [
+        120_000_000_000, 31_406_250_000, 16_640_625_000, 1_875_000_000]
+    assert zero_bytes(10, 3, 3) == {"params": 14, "grads": 14, "optimizer": 27, "total": 55}  # ceil: the fullest rank
+    assert zero_bytes(10, 1, 3) == zero_bytes(10, 1, 0)  # one rank: nothing to share
+
+
+@pytest.mark.parametrize("args, message", [((10, 2, 4), "choose 0 (DDP), 1, 2 or 3"),
+                                           ((10, 0, 1), "at least 1"),
+                                           ((10, 2, 1, "bf16"), "choose 'fp32'")])
+def test_zero_bytes_errors(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)): zero_bytes(*args)
+
+
+def test_ring_bytes_sent():
+    assert ring_bytes_sent({"all_reduce": 100}, 2) == 100      # 2(N-1)/N
+    assert ring_bytes_sent({"all_gather_single": 100, "reduce_scatter_single": 100}, 4) == 150
+
+
+@pytest.mark.parametrize("kind, n, precision, stage, message", [
+    ("NO", 1, "no", 5, "choose 0 \\(DDP\\)"),
+    ("NO", 1, "no", 1, "launch several"),
+    ("DEEPSPEED", 8, "bf16", 2, "pass zero_stage=0"),
+    ("FSDP", 8, "bf16", 3, "pass zero_stage=0"),
+    ("MULTI_GPU", 8, "fp16", 3, "use mixed_precision bf16")])
+def test_prepare_zero_refuses(kind, n, precision, stage, message):
+    "A stage that cannot run raises, naming what would work; it never falls back to DDP."
+    acc = SimpleNamespace(distributed_type=DistributedType(kind), num_processes=n, mixed_precision=precision)
+    with pytest.raises(ValueError, match=message): prepare_zero(acc, None, stage, 1e-3)
+
+
+# ------------------------------------------------------------------ 2 real processes
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    "Stages 0-3 on the tiny preset, 8 steps, 2 processes (gloo)."
+    return launch_worker(tmp_path_factory.mktemp("zero"), steps=8)
+
+
+def test_memory_matches_prediction(measured):
+    "Each rank holds the predicted bytes: grads halved at stage 2, parameters too at stage 3 (within 10%)."
+    P = measured["n_params"]
+    for stage in STAGES:
+        want = zero_bytes(P, 2, stage)
+        for m in measured[stage]["memory"]:
+            assert close(m["forward_params_bytes"], want["params"], 0.1), (stage, m)
+            assert close(m["grads_bytes"], want["grads"], 0.1), (stage, m)
+            if stage != 1: assert close(m["optimizer_bytes"], want["optimizer"], 0.1), (stage, m)
+    full = zero_bytes(P, 1, 0)
+    for m in measured[2]["memory"] + measured[3]["memory"]:
+        assert close(m["grads_bytes"], full["grads"] / 2, 0.1)
+        assert close(m["optimizer_bytes"], full["optimizer"] / 2, 0.1)
+    for m in measured[3]["memory"]:
+        assert close(m["params_bytes"], full["params"] / 2, 0.1)
+        assert close(m["forward_params_bytes"], full["params"] / 2, 0.1)
+    for m in measured[2]["memory"]:  # ZeRO-2's peak: parameters whole from forward to backward
+        assert close(m["forward_params_bytes"], full["params"], 0.01)
+
+
+def test_stage1_partitions_whole_parameters(measured):
+    "ZeroRedundancyOptimizer keeps one copy of the state, split by whole parameters (tiny: the embedding is 82%)."
+    P = measured["n_params"]
+    shares = sorted(m["optimizer_bytes"] / (8 * P) for m in measured[1]["memory"])
+    assert close(sum(shares), 1, 0.001)
+    assert 0.8 < shares[-1] < 0.84, shares
+
+
+def test_stage1_halves_optimizer(tmp_path):
+    "Where no parameter dominates (the small preset), each rank holds half the optimizer state."
+    res = launch_worker(tmp_path, stages=[1], steps=1, model="small")
+    for m in res[1]["memory"]:
+        assert close(m["optimizer_bytes"], 8 * res["n_params"] / 2, 0.1), m
+        assert close(m["grads_bytes"], 4 * res["n_params"], 0.01)  # gradients stay whole at stage 1
+
+
+def test_same_losses_as_ddp(measured):
+    ref = measured[0]["losses"]
+    assert measured[1]["losses"] == ref  # bit for bit: same gradients, same AdamW arithmetic per element
+    for stage in (2, 3):
+        worst = max(abs(a - b) for a, b in zip(measured[stage]["losses"], ref))
+        assert worst <= LOSS_TOL, (stage, worst)
+    assert ref[-1] < ref[0]
+
+
+def test_traffic(measured):
+    "Payload per step in Ψ (fp32): DDP 2Ψ (all-reduce = reduce-scatter + all-gather), ZeRO-3 3Ψ."
+    P = measured["n_params"]
+    def volume(c): return sum(b * (2 if k == "all_reduce" else 1) for k, b in c.items()) / (4 * P)
+    got = {s: volume(measured[s]["comm"]) for s in STAGES}
+    for stage, want in {0: 2, 1: 3, 2: 2, 3: 3}.items():  # torch's stage 1: DDP's all-reduce + a broadcast
+        assert close(got[stage], want, 0.001), got
+    sent = {s: ring_bytes_sent(measured[s]["comm"], 2) for s in STAGES}
+    assert close(sent[3] / sent[0], 1.5, 0.001)
+
+
+def test_accumulation(tmp_path):
+    "With 2 micro-batches per step (FSDP2 has no no_sync: it reduce-scatters each), stage 3 still matches DDP."
+    res = launch_worker(tmp_path, stages=[0, 3], steps=3, grad_accum=2)
+    assert max(abs(a - b) for a, b in zip(res[3]["losses"], res[0]["losses"])) <= LOSS_TOL
+
+
+def test_bf16(tmp_path):
+    "bf16: FSDP2 gathers bf16 copies of fp32 shards (2 B/Ψ during the step at stage 2); losses near DDP's autocast."
+    res = launch_worker(tmp_path, stages=[0, 2], steps=3, mixed_precision="bf16")
+    P = res["n_params"]
+    for m in res[2]["memory"]:
+        assert close(m["forward_params_bytes"], 2 * P, 0.01) and close(m["params_bytes"], 2 * P, 0.01)
+    assert max(abs(a - b) for a, b in zip(res[2]["losses"], res[0]["losses"])) <= 1e-2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (optional extra)")
+def test_deepspeed_stages(tmp_path, measured):
+    "deepspeed.initialize on CPU/gloo: stages 1-3 split the optimizer state evenly and match DDP's losses."
+    res = launch_worker(tmp_path, worker="deepspeed_worker", steps=8)
+    for stage in (1, 2, 3):
+        for m in res[stage]["memory"]:
+            assert close(m["optimizer_bytes"], 8 * measured["n_params"] / 2, 0.01), (stage, m)
+        worst = max(abs(a - b) for a, b in zip(res[stage]["losses"], measured[0]["losses"]))
+        assert worst <= LOSS_TOL, (stage, worst)
+
+
+# ------------------------------------------------------------------ the trainer's --zero_stage
+def _train_has_zero_stage():
+    try: from distcourse.train import Config
+    except Exception: return False
+    return "zero_stage" in {f.name for f in fields(Config)}
+
+needs_cli = pytest.mark.skipif(not _train_has_zero_stage(), reason="distcourse.train has no zero_stage field yet")
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    "The tiny config at --zero_stage 0-3, 2 processes; run.json and train losses of each."
+    tmp, out = tmp_path_factory.mktemp("zero_cli"), {}
+    for stage in STAGES:
+        proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+                        "-m", "distcourse.train", "--config", str(ROOT / "configs/tiny.yaml"),
+                        "--zero_stage", str(stage), "--max_steps", "4", "--log_every", "1", "--eval_every", "0",
+                        "--output_dir", str(tmp / f"z{stage}")])
+        assert proc.returncode == 0, (stage, proc.stderr[-3000:])
+        run = json.loads((tmp / f"z{stage}" / "run.json").read_text())
+        losses = [json.loads(l)["loss"] for l in open(tmp / f"z{stage}" / "metrics.jsonl") if '"split"' not in l]
+        out[stage] = (run, losses)
+    return out
+
+
+@needs_cli
+def test_cli_memory_shows_sharding(cli_runs):
+    full = cli_runs[0][0]["memory"]
+    assert full["grads_bytes"] > 0, ("run.json's memory has no gradient bytes: measure with track_memory "
+                                     "(at the first optimizer step), not memory_report after train_step's zero_grad")
+    for stage, (run, _) in cli_runs.items():
+        assert run["zero_stage"] == stage and run["world_size"] == 2
+        mem = run["memory"]
+        half = {k: v / 2 for k, v in full.items()}
+        if stage == 1: assert mem["optimizer_bytes"] < 0.9 * full["optimizer_bytes"], mem  # tiny: 82% on rank 0
+        if stage >= 2: assert close(mem["grads_bytes"], half["grads_bytes"], 0.1), mem
+        if stage >= 2: assert close(mem["optimizer_bytes"], half["optimizer_bytes"], 0.1), mem
+        if stage == 3: assert close(mem["params_bytes"], half["params_bytes"], 0.1), mem
+        if stage == 2: assert close(mem["forward_params_bytes"], full["params_bytes"], 0.01), mem  # ZeRO-2's peak
+        if stage == 3: assert close(mem["forward_params_bytes"], half["params_bytes"], 0.1), mem
+        if stage < 2: assert mem["grads_bytes"] == full["grads_bytes"] and mem["params_bytes"] == full["params_bytes"]
+
+
+@needs_cli
+def test_cli_same_losses(cli_runs):
+    ref = cli_runs[0][1]
+    for stage, (_, losses) in cli_runs.items():
+        assert len(losses) == len(ref) == 4
+        assert max(abs(a - b) for a, b in zip(losses, ref)) <= LOSS_TOL, (stage, losses, ref)
