@@ -1,5 +1,6 @@
 "The CLI contract of `distcourse.train`: outputs, 1 vs 2 processes, bad inputs."
 import json
+import shutil
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -110,3 +111,70 @@ def test_bad_input_every_rank_same_message(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l.startswith("distcourse.train: error:")]
     assert len(lines) == 2 and len(set(lines)) == 1 and "--batch_size" in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr.split("distcourse.train: error:")[0] and not out.exists()
+
+
+def two_procs(*argv):
+    return run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+                    "-m", "distcourse.train", *TINY, "--batch_size", "4", *argv])
+
+
+def error_line(proc):
+    "The one error line every rank printed (the same on each), checking that nothing else went wrong."
+    lines = {l for l in proc.stderr.splitlines() if l.startswith("distcourse.train: error:")}
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr.split("distcourse.train: error:")[0], proc.stderr[-3000:]
+    return lines.pop()
+
+
+def test_two_process_resume_is_exact(runs, tmp_path):
+    "A 2-process run that lost its last checkpoint resumes from the one before and repeats the losses exactly."
+    out, _ = runs["two"]
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    shutil.rmtree(again / "checkpoints/step_12")
+    proc = two_procs("--output_dir", str(again), "--resume", "latest")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((again / "run.json").read_text())
+    assert run["resumed_from"] == {"path": str(again / "checkpoints/step_6"), "step": 6}
+    steps = [r["step"] for r in records(again) if "split" not in r]
+    assert steps == [*range(1, 13), *range(7, 13)]  # appended: the resumed run's records come last
+    first = {r["step"]: r["loss"] for r in records(out) if "split" not in r}
+    resumed = {r["step"]: r["loss"] for r in records(again) if "split" not in r}  # later records win
+    assert resumed == first  # exact float equality
+    assert run["before"] == json.loads((out / "run.json").read_text())["before"]  # read back, not re-measured
+
+
+def test_resume_refuses_what_does_not_fit(runs, tmp_path):
+    "Incomplete checkpoint, other settings, other number of processes: one clear line, exit 2, nothing trained."
+    out, _ = runs["two"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    torn = run / "checkpoints/step_6"
+    (torn / "COMPLETE").unlink()
+    msg = error_line(two_procs("--output_dir", str(run), "--resume", str(torn)))
+    assert "incomplete checkpoint" in msg and "step_12" in msg, msg  # names the newest complete one
+    msg = error_line(two_procs("--output_dir", str(run), "--resume", "latest", "--seq_len", "32"))
+    assert "seq_len saved 64, now 32" in msg, msg
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "4", "--output_dir", str(run),
+                    "--resume", "latest", "--max_steps", "14"])
+    msg = error_line(proc)
+    assert msg.startswith("distcourse.train: error: --resume") and "world_size: saved 2, now 1" in msg, msg
+    assert max(r["step"] for r in records(run)) == 12  # nothing was trained or logged
+
+
+def test_output_dir_that_cannot_be_written(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    out = tmp_path / "a_file" / "run"
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--output_dir", str(out)])
+    msg = error_line(proc)
+    assert msg.startswith("distcourse.train: error: --output_dir") and "not writable" in msg, msg
+
+
+def test_keep_checkpoints(tmp_path):
+    out = tmp_path / "keep"
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--max_steps", "8", "--save_every", "2",
+                    "--keep_checkpoints", "2", "--eval_every", "0", "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_6", "step_8"]
+    state = json.loads((out / "checkpoints/step_8/trainer_state.json").read_text())
+    assert state["step"] == 8 and state["config"]["model"] == "tiny" and state["fingerprint"]["world_size"] == 1
