@@ -25,7 +25,7 @@ from .data import get_dataloaders, get_tokenizer, hub_offline
 from .model import PRESETS, build_model, check_compat, num_params
 from .loop import make_scheduler
 from .ddp import train_step
-from .launch import launch, make_accelerator
+from .launch import WorldSizeError, launch, make_accelerator
 from .zero import STAGES, ShardedState, check_stage, full_state_dict, prepare_zero, track_memory
 from .evaluation import evaluate_distributed
 from .checkpoint import (MARKER, STATE_FILE, DataStream, check_output_dir, latest_checkpoint,
@@ -202,7 +202,8 @@ class Run:
 # %% ../nbs/09_train.ipynb #ecbe43bf
 def _start(cfg):
     "The Accelerator for `cfg`, after the checks that need it (number of processes, output directory)."
-    acc = make_accelerator(mixed_precision=cfg.mixed_precision)
+    try: acc = make_accelerator(mixed_precision=cfg.mixed_precision)
+    except WorldSizeError as e: raise ConfigError(f"launch: {e}") from None  # e.g. --num_processes 2 without --multi_gpu
     try:
         check_stage(acc, cfg.zero_stage)
         check_output_dir(cfg.output_dir)  # on every rank: all fail alike, before any data is read
@@ -240,7 +241,7 @@ def train(config=None, **overrides) -> dict:
     run = Run(acc, cfg, fresh=resumed is None)
     before = _before(acc, run, model, val_dl, cfg, resumed)
     window, t_log = 0, time.time()
-    bar = tqdm(range(start + 1, cfg.max_steps + 1), desc="train", disable=not acc.is_local_main_process)
+    bar = tqdm(range(start + 1, cfg.max_steps + 1), desc="train", disable=not acc.is_main_process)
     for step in bar:
         res = train_step(acc, model, opt, sched, [next(stream) for _ in range(cfg.grad_accum)], cfg.task,
                          cfg.max_grad_norm)
