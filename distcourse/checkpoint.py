@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate import skip_first_batches
 
 from .ddp import setup, train_step
@@ -220,6 +221,7 @@ def main(argv=None):
     restart = os.getenv("TORCHELASTIC_RESTART_COUNT", "0")  # set by torchrun: 0, then 1 after a restart
     print(f"rank {os.getenv('RANK', '0')}: pid {os.getpid()}, restart {restart}", flush=True)
     resumable_worker(**args)
+    if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # leave together: exiting alone can abort a rank
 
 # %% ../nbs/07_checkpointing.ipynb #ae6371e1
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m` and `torchrun -m`, not a notebook
