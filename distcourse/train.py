@@ -10,6 +10,8 @@ __all__ = ['TASKS', 'PRECISIONS', 'FINGERPRINT', 'Config', 'ConfigError', 'valid
 import argparse
 import json
 import math
+import multiprocessing
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate.utils import broadcast_object_list, set_seed
+from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
@@ -30,6 +33,8 @@ from .zero import STAGES, ShardedState, check_stage, full_state_dict, prepare_ze
 from .evaluation import evaluate_distributed
 from .checkpoint import (MARKER, STATE_FILE, DataStream, check_output_dir, latest_checkpoint,
                                    load_checkpoint, save_checkpoint)
+from .tracking import log_metrics, plot_run, resolve_tracker, resource_stats, start_tracking
+from .generate import push_to_hub
 
 # %% ../nbs/09_train.ipynb #fedfc7ff
 TASKS, PRECISIONS = ("clm", "mlm", "cls"), ("no", "bf16", "fp16")
@@ -56,6 +61,8 @@ class Config:
     seed: int = 0
     mixed_precision: str = "no"  # no, bf16 or fp16 (fp16 needs a GPU)
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
+    tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
+    push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"
     resume: str = ""             # a checkpoints/step_<N> directory or "latest"; empty: start fresh
     overwrite: bool = False      # allow reusing an output_dir that already holds a run
@@ -124,6 +131,12 @@ def validate(cfg: Config) -> Config:
     _check_source("model", cfg.model, tuple(PRESETS))
     _check_source("tokenizer", cfg.tokenizer, ("stdlib", "stdlib-source"))
     _check_source("dataset", cfg.dataset, ("stdlib", "stdlib-source"))
+    try: resolve_tracker(cfg.tracker)
+    except ValueError as e: raise ConfigError(str(e)) from None
+    need(not cfg.push_to_hub or not hub_offline(), f"--push_to_hub {cfg.push_to_hub}: the Hub is offline "
+         "(HF_HUB_OFFLINE=1); train without it and push model/ later with distcourse.generate.push_to_hub")
+    need(not cfg.push_to_hub or os.getenv("HF_TOKEN"), f"--push_to_hub {cfg.push_to_hub}: no HF_TOKEN in the "
+         "environment; export HF_TOKEN=<a write token> (it is read from there only, never from a flag or file)")
     n_pos = _positions(cfg.model)
     need(n_pos is None or cfg.seq_len <= n_pos, f"--seq_len {cfg.seq_len} exceeds the model's {n_pos} "
          f"positions; pass --seq_len {n_pos} or a model with more positions")
@@ -175,8 +188,10 @@ class Run:
             if fresh: (self.out / "metrics.jsonl").write_text("")
 
     def log(self, **record):
+        "One record into metrics.jsonl (always) and to the trackers (TensorBoard, wandb), if any."
         if self.acc.is_main_process:
             with open(self.out / "metrics.jsonl", "a") as f: f.write(json.dumps(record) + "\n")
+        log_metrics(self.acc, record)
 
     def records(self) -> list:
         "What metrics.jsonl holds so far (main process; [] elsewhere)."
@@ -187,22 +202,16 @@ class Run:
         if self.acc.is_main_process: (self.out / name).write_text(json.dumps(obj, indent=2) + "\n")
 
     def plot(self):
-        "Train and validation loss against steps, saved as loss.png."
+        "The tracking lesson's `plot_run` of this run (loss, validation metric, lr, tokens/s), as metrics.png."
         if not self.acc.is_main_process: return None
-        import matplotlib; matplotlib.use("Agg"); import matplotlib.pyplot as plt
-        recs = self.records()
-        tr, va = [r for r in recs if "split" not in r], [r for r in recs if r.get("split") == "val"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot([r["step"] for r in tr], [r["loss"] for r in tr], label="train")
-        ax.plot([r["step"] for r in va], [r["loss"] for r in va], "o-", label="validation")
-        ax.set(xlabel="optimizer step", ylabel="loss", title=self.out.name); ax.legend()
-        fig.savefig(self.out / "loss.png", dpi=100, bbox_inches="tight"); plt.close(fig)
-        return self.out / "loss.png"
+        plot_run(self.out, path=self.out / "metrics.png")
+        return self.out / "metrics.png"
 
 # %% ../nbs/09_train.ipynb #ecbe43bf
 def _start(cfg):
     "The Accelerator for `cfg`, after the checks that need it (number of processes, output directory)."
-    try: acc = make_accelerator(mixed_precision=cfg.mixed_precision)
+    try: acc = make_accelerator(mixed_precision=cfg.mixed_precision, log_with=resolve_tracker(cfg.tracker) or None,
+                                project_dir=cfg.output_dir)  # TensorBoard writes into output_dir/distcourse/
     except WorldSizeError as e: raise ConfigError(f"launch: {e}") from None  # e.g. --num_processes 2 without --multi_gpu
     try:
         check_stage(acc, cfg.zero_stage)
@@ -239,16 +248,18 @@ def train(config=None, **overrides) -> dict:
     memory, stream = track_memory(model, opt), DataStream(train_dl, cfg.seed)  # memory: at the first step
     start, tokens, resumed = _resume(acc, cfg, stream)
     run = Run(acc, cfg, fresh=resumed is None)
+    start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, model, val_dl, cfg, resumed)
     window, t_log = 0, time.time()
-    bar = tqdm(range(start + 1, cfg.max_steps + 1), desc="train", disable=not acc.is_main_process)
+    bar = (text_bar if multiprocessing.parent_process() else tqdm)(  # forked from a notebook: no widgets
+        range(start + 1, cfg.max_steps + 1), desc="train", disable=not acc.is_main_process)
     for step in bar:
         res = train_step(acc, model, opt, sched, [next(stream) for _ in range(cfg.grad_accum)], cfg.task,
                          cfg.max_grad_norm)
         tokens, window = tokens + res["tokens"], window + res["tokens"]
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             run.log(step=step, loss=res["loss"], lr=sched.get_last_lr()[0], tokens=tokens,
-                    tokens_per_s=window / max(time.time() - t_log, 1e-9))
+                    tokens_per_s=window / max(time.time() - t_log, 1e-9), **resource_stats(acc.device))
             bar.set_postfix(loss=f"{res['loss']:.3f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
             run.log(step=step, split="val", **evaluate_distributed(acc, model, val_dl, cfg.task))
@@ -298,7 +309,7 @@ def _save_model(acc, model, tok, path):
     tok.save_pretrained(path)
 
 def _finish(acc, cfg, run, model, tok, before, after, val_size, extra) -> dict:
-    "Save the model and tokenizer, write run.json and loss.png, print the summary."
+    "Save the model and tokenizer, write run.json and metrics.png, print the summary; push to the Hub if asked."
     acc.wait_for_everyone()
     _save_model(acc, model, tok, run.out / "model")
     metric = "accuracy" if cfg.task == "cls" else "perplexity"
@@ -312,16 +323,24 @@ def _finish(acc, cfg, run, model, tok, before, after, val_size, extra) -> dict:
     if acc.is_main_process:
         print(f"\n{acc.num_processes} process(es), {acc.distributed_type.value}: validation {metric} "
               f"{before[metric]:.4g} -> {after[metric]:.4g} in {summary['wall_time_s']:.0f}s\n"
-              f"outputs in {run.out}/ (metrics.jsonl, run.json, model/), loss plot {png}")
+              f"outputs in {run.out}/ (metrics.jsonl, run.json, model/), plots {png}")
+    if cfg.push_to_hub and acc.is_main_process:  # after everything is saved: a failed push loses nothing
+        try: summary["pushed_to"] = push_to_hub(run.out / "model", cfg.push_to_hub)
+        except (ValueError, RuntimeError) as e:
+            summary["push_error"] = str(e)
+            print(f"distcourse.train: error: --push_to_hub {cfg.push_to_hub}: {e}", file=sys.stderr)
+        run.write_json("run.json", summary)
     acc.wait_for_everyone()
+    acc.end_training()  # trackers finished; the process group left by all ranks together (an early exit can abort one)
     return summary
 
 # %% ../nbs/09_train.ipynb #aebf508f
 def main(argv=None):
     "Entry point of `python -m distcourse.train` and `accelerate launch -m distcourse.train`."
-    try: train(parse_args(argv))
+    try: summary = train(parse_args(argv))
     except ConfigError as e:  # raised on every rank alike, before any work
         print(f"distcourse.train: error: {e}", file=sys.stderr); sys.exit(2)
+    if "push_error" in summary: sys.exit(1)  # trained and saved, but not uploaded: said on stderr
 
 # %% ../nbs/09_train.ipynb #4eac68ea
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook

@@ -37,13 +37,14 @@ def test_outputs(runs):
     recs = records(out)
     train = [r for r in recs if "split" not in r]
     assert [r["step"] for r in train] == list(range(1, 13))
-    assert all(set(r) == {"step", "loss", "lr", "tokens", "tokens_per_s"} for r in train)
+    assert all(set(r) >= {"step", "loss", "lr", "tokens", "tokens_per_s", "rss_mb"} for r in train)
     evals = [r for r in recs if r.get("split") == "val"]
     assert [r["step"] for r in evals] == [0, 6, 12]
     assert all(r["samples"] == run["val_size"] and "perplexity" in r for r in evals)
     assert evals[-1]["loss"] < evals[0]["loss"]
     assert (out / "checkpoints/step_6").is_dir() and (out / "checkpoints/step_12").is_dir()
-    assert (out / "loss.png").stat().st_size > 0
+    assert (out / "metrics.png").stat().st_size > 0
+    assert list((out / "distcourse").glob("events.out.tfevents.*"))  # --tracker auto: TensorBoard is installed
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     tok = AutoTokenizer.from_pretrained(out / "model")
     assert model.num_parameters() == run["num_parameters"] and len(tok) <= model.config.vocab_size
@@ -86,6 +87,9 @@ BAD = [
     (["--grad_accum", "0"], "--grad_accum"),
     (["--mixed_precision", "fp8"], "--mixed_precision"),
     (["--resume", "no/such/checkpoint"], "--resume"),
+    (["--zero_stage", "4"], "--zero_stage"),
+    (["--tracker", "bogus"], "--tracker"),
+    (["--push_to_hub", "someone/model"], "--push_to_hub someone/model: the Hub is offline"),
 ]
 
 
@@ -178,3 +182,19 @@ def test_keep_checkpoints(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_6", "step_8"]
     state = json.loads((out / "checkpoints/step_8/trainer_state.json").read_text())
     assert state["step"] == 8 and state["config"]["model"] == "tiny" and state["fingerprint"]["world_size"] == 1
+
+
+def test_push_failure_loses_nothing(tmp_path):
+    "Online but the Hub unreachable: the run trains and saves, the push fails with one line, exit 1, files intact."
+    out = tmp_path / "run"
+    env = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_TOKEN": "hf_not_a_token",
+           "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"}  # nothing listens there: connection refused
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--max_steps", "3", "--eval_every", "0", "--save_every", "0",
+                    "--tracker", "none", "--push_to_hub", "someone/model", "--output_dir", str(out)], env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("distcourse.train: error: --push_to_hub")]
+    assert len(errors) == 1 and "the model stays in" in errors[0], proc.stderr[-3000:]
+    run = json.loads((out / "run.json").read_text())
+    assert "push_error" in run and "pushed_to" not in run
+    assert AutoModelForCausalLM.from_pretrained(out / "model").num_parameters() == run["num_parameters"]
+    assert not (out / "distcourse").exists()  # --tracker none: metrics.jsonl only
