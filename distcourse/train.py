@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from fastcore.docments import docments
 from accelerate.utils import broadcast_object_list, set_seed
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
@@ -50,25 +51,25 @@ class Config:
     batch_size: int = 16         # examples per process per micro-batch
     grad_accum: int = 1          # micro-batches per optimizer step
     lr: float = 2e-3             # peak learning rate
-    weight_decay: float = 0.1
-    warmup_steps: int = 40
+    weight_decay: float = 0.1    # AdamW decay of matrices (not of biases and norm gains)
+    warmup_steps: int = 40       # linear warmup, then cosine decay to 0 at max_steps
     max_steps: int = 800         # optimizer steps
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0   # clip the global gradient norm to this
     eval_every: int = 200        # evaluate every N steps (and at the start and end); 0: start and end only
     save_every: int = 0          # checkpoint every N steps; 0: no intermediate checkpoints
     keep_checkpoints: int = 3    # complete checkpoints kept, newest first
-    log_every: int = 10
-    seed: int = 0
+    log_every: int = 10          # a train record in metrics.jsonl every N steps
+    seed: int = 0                # initial weights, data split and order
     mixed_precision: str = "no"  # no, bf16 or fp16 (fp16 needs a GPU)
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
-    output_dir: str = "runs/default"
+    output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
     resume: str = ""             # a checkpoints/step_<N> directory or "latest"; empty: start fresh
     overwrite: bool = False      # allow reusing an output_dir that already holds a run
     max_examples: int = 0        # use only N examples before splitting (quick runs); 0: all
-    text_column: str = "text"
-    label_column: str = "label"
+    text_column: str = "text"    # the text column of a local or Hub dataset
+    label_column: str = "label"  # the label column (cls)
 
 # What a checkpoint must agree on with the run that resumes it (and the number of processes, checked at load).
 FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "batch_size", "grad_accum", "seed",
@@ -165,7 +166,10 @@ def parse_args(argv=None) -> Config:
     p = _Parser(prog="python -m distcourse.train", allow_abbrev=False,
                 description="Train a transformer LM on one or many processes (see nbs/09_train.ipynb).")
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML file whose keys are these flags")
-    for f in fields(Config): p.add_argument(f"--{f.name}", type=_converter(f), default=argparse.SUPPRESS)
+    docs = docments(Config)  # the comment after each field is its --help text
+    for f in fields(Config):
+        p.add_argument(f"--{f.name}", type=_converter(f), default=argparse.SUPPRESS, metavar=_converter(f).__name__.upper(),
+                       help=f"{docs.get(f.name) or ''} (default: {f.default!r})")
     args = vars(p.parse_args(argv))
     values = {}
     if "config" in args:
@@ -343,4 +347,6 @@ def main(argv=None):
     if "push_error" in summary: sys.exit(1)  # trained and saved, but not uploaded: said on stderr
 
 # %% ../nbs/09_train.ipynb #4eac68ea
-if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook
+if __name__ == "__main__" and "__file__" in globals():  # `python -m` / `accelerate launch -m`, not a notebook
+    from distcourse.train import main as _main  # the importable module's main: its classes pickle, its docs are found
+    _main()
