@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from accelerate.state import PartialState
 
-from conftest import ACCELERATE, PY
+from conftest import ACCELERATE, PY, ROOT
 from distcourse.launch import (accelerator_worker, free_port, hello_worker, launch, make_accelerator,
                                plain_worker, verify_world_size)
 
@@ -157,3 +157,18 @@ def test_torchrun(shell_launches):
     rc, out, err = shell_launches["torchrun"]
     assert rc == 0, err[-3000:]
     assert "ok: 2 process(es), MULTI_CPU, backend gloo, ranks [0, 1]" in out
+
+
+def test_two_nodes_without_multi_gpu_are_refused(tmp_path):
+    "Two `accelerate launch --num_machines 2` without --multi_gpu on CPU: each 'node' fails alone, with one line."
+    port = str(free_port())
+    procs = [subprocess.Popen([*ACCELERATE, "--num_machines", "2", "--machine_rank", str(rank), "--num_processes", "2",
+                               "--main_process_ip", "127.0.0.1", "--main_process_port", port, "-m", "distcourse.train",
+                               "--config", str(ROOT / "configs/tiny.yaml"), "--output_dir", str(tmp_path / f"n{rank}")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **CPU})
+             for rank in (0, 1)]
+    for p in procs:
+        rc, (_, err) = p.wait(timeout=300), p.communicate()
+        lines = [l for l in err.splitlines() if l.startswith("distcourse.train: error: launch:")]
+        assert rc != 0 and len(lines) == 1 and "started one" in lines[0], err[-3000:]
+    assert not list(tmp_path.iterdir())  # refused before anything was written
