@@ -51,6 +51,13 @@ def _run_config(ckpt) -> dict:
     raise ValueError(f"checkpoint {ckpt}: neither its {STATE_FILE} nor {run_json} holds the run's \"config\", "
                      "so the model cannot be rebuilt; load the run's model/ directory instead")
 
+def _sharded_weights(ckpt) -> dict:
+    "The full weights a ZeRO-2/3 run's `ShardedState` saved (in a custom_checkpoint_<i>.pkl), loaded as plain data."
+    for f in sorted(ckpt.glob("custom_checkpoint_*.pkl")):
+        state = torch.load(f, map_location="cpu", weights_only=True)  # tensors and plain data only
+        if isinstance(state, dict) and "model" in state: return state["model"]
+    raise ValueError(f"checkpoint {ckpt} has no model weights (no model.safetensors, no ShardedState with a model)")
+
 def _from_checkpoint(ckpt) -> tuple:
     "Rebuild the run's model and tokenizer from its configuration, then load the checkpoint's weights strictly."
     if not (ckpt / MARKER).is_file():
@@ -59,10 +66,11 @@ def _from_checkpoint(ckpt) -> tuple:
                          + (f"use {newest}, the newest complete one" if newest else "the run has no complete one"))
     config = _run_config(ckpt)
     _need_causal(config.get("task", "clm"), ckpt)
-    if not (ckpt / "model.safetensors").is_file(): raise ValueError(f"checkpoint {ckpt} has no model.safetensors")
     tok = get_tokenizer(config.get("tokenizer", "stdlib"))
     model = build_model(config["model"], "clm", tokenizer=tok)
-    try: load_safetensors(model, str(ckpt / "model.safetensors"), strict=True)
+    try:
+        if (ckpt / "model.safetensors").is_file(): load_safetensors(model, str(ckpt / "model.safetensors"), strict=True)
+        else: model.load_state_dict(_sharded_weights(ckpt), strict=True)  # a ZeRO-2/3 run: ShardedState holds them
     except RuntimeError as e:
         why = " ".join(str(e).split())[:300]
         raise ValueError(f"checkpoint {ckpt}: its weights do not fit the {config['model']!r} model its run's "

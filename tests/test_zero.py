@@ -6,6 +6,7 @@ from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
+import torch
 from accelerate.utils import DistributedType
 
 from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
@@ -176,11 +177,12 @@ def cli_runs(tmp_path_factory):
         proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
                         "-m", "distcourse.train", "--config", str(ROOT / "configs/tiny.yaml"),
                         "--zero_stage", str(stage), "--max_steps", "4", "--log_every", "1", "--eval_every", "0",
+                        "--save_every", "4", "--tracker", "none",
                         "--output_dir", str(tmp / f"z{stage}")])
         assert proc.returncode == 0, (stage, proc.stderr[-3000:])
         run = json.loads((tmp / f"z{stage}" / "run.json").read_text())
         losses = [json.loads(l)["loss"] for l in open(tmp / f"z{stage}" / "metrics.jsonl") if '"split"' not in l]
-        out[stage] = (run, losses)
+        out[stage] = (run, losses, tmp / f"z{stage}")
     return out
 
 
@@ -189,7 +191,7 @@ def test_cli_memory_shows_sharding(cli_runs):
     full = cli_runs[0][0]["memory"]
     assert full["grads_bytes"] > 0, ("run.json's memory has no gradient bytes: measure with track_memory "
                                      "(at the first optimizer step), not memory_report after train_step's zero_grad")
-    for stage, (run, _) in cli_runs.items():
+    for stage, (run, _, _) in cli_runs.items():
         assert run["zero_stage"] == stage and run["world_size"] == 2
         mem = run["memory"]
         half = {k: v / 2 for k, v in full.items()}
@@ -205,6 +207,17 @@ def test_cli_memory_shows_sharding(cli_runs):
 @needs_cli
 def test_cli_same_losses(cli_runs):
     ref = cli_runs[0][1]
-    for stage, (_, losses) in cli_runs.items():
+    for stage, (_, losses, _) in cli_runs.items():
         assert len(losses) == len(ref) == 4
         assert max(abs(a - b) for a, b in zip(losses, ref)) <= LOSS_TOL, (stage, losses, ref)
+
+
+@needs_cli
+def test_cli_checkpoints_hold_the_whole_model(cli_runs):
+    "At every stage the last checkpoint rebuilds the final model/ exactly (stages 2-3: from ShardedState's pickle)."
+    from distcourse.generate import load_model
+    for stage, (_, _, out) in cli_runs.items():
+        ckpt = out / "checkpoints/step_4"
+        assert (ckpt / "model.safetensors").is_file() == (stage < 2), sorted(p.name for p in ckpt.iterdir())
+        from_ckpt, from_model = (load_model(p)[0].state_dict() for p in (ckpt, out))
+        assert all(torch.equal(from_ckpt[k], from_model[k]) for k in from_model), stage
