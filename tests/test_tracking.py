@@ -22,7 +22,7 @@ for step in range(1, 6):
 log_metrics(acc, {"step": 5, "split": "val", "loss": 2.5, "samples": 10, "perplexity": 12.2})
 acc.wait_for_everyone()
 acc.end_training()
-sys.stdout.write(f"rank {acc.process_index} of {acc.num_processes}\n"); sys.stdout.flush()  # one write(): lines
+sys.stdout.write(f"rank {acc.process_index} of {acc.num_processes}\\n"); sys.stdout.flush()  # one write(): lines
 # of the two ranks cannot interleave (print() writes the text and the newline separately)
 '''
 
