@@ -31,11 +31,12 @@ def count_targets(batch, # a collated batch with `labels`
 def loss_sum(model, batch, task):
     "Sum of per-token (clm, mlm) or per-example (cls) cross-entropy losses of `batch`, and the count."
     inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if task == "clm": inputs["use_cache"] = False  # else GPT-2 fills a KV cache that training never reads
     logits = model(**inputs).logits  # (B, T, V) for LMs, (B, C) for classification
     labels = batch["labels"]         # (B, T) or (B,)
-    if task == "clm": logits, labels = logits[:, :-1], labels[:, 1:]  # predict t+1 from <= t
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1),
-                           ignore_index=-100, reduction="sum")
+    if task == "clm": labels = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts t+1; the last: nothing
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),  # a view of the logits: no copy
+                           labels.reshape(-1), ignore_index=-100, reduction="sum")
     return loss, count_targets(batch, task)
 
 # %% ../nbs/02_basic_loop.ipynb #cb8ff05f
