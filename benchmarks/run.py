@@ -1,0 +1,204 @@
+"""Measure the course's trainer side by side with its peers, in one run, and write `results.json` + `results.md`.
+
+    python benchmarks/run.py --quick          # ~50 s on an idle 2-core CPU: the numbers in RESULTS.md
+    python benchmarks/run.py                  # full: batch 16, more turns (on a GPU: GPT-2 124M's shape, bf16)
+    python benchmarks/run.py --compile        # every contender torch.compile'd
+    python benchmarks/run.py --smoke --out /tmp/b  # seconds: what tests/test_benchmarks.py runs
+
+Contenders take turns step by step in one process (warm-up excluded, medians over turns), so a neighbour's
+load slows all of them alike; every target is a ratio of two numbers measured in the same run.
+"""
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # bench_steps / bench_data: importable by name, also in launched processes
+for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"): os.environ.setdefault(k, "1")
+
+import accelerate, datasets, tokenizers, torch, transformers  # noqa: E402
+
+import distcourse  # noqa: E402
+from distcourse.launch import make_accelerator  # noqa: E402
+from distcourse.model import flops_per_token, num_params  # noqa: E402
+
+from bench_data import data_throughput, padding_waste  # noqa: E402
+import bench_ddp  # noqa: E402
+from bench_steps import Bench, DistcourseStep, Matmul, TorchLoop, build, hf_trainer, take_turns  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+# mode -> (what the contenders train, what the 1- vs 2-process runs train, data options, matmul size)
+MODES = {
+    "smoke": (Bench("tiny", 4, 32, warmup=1, steps=3), Bench("tiny", 4, 32, warmup=1, steps=2),
+              dict(max_docs=300, repeats=1), 512),
+    "quick": (Bench("small", 8, 128, warmup=2, steps=16), Bench("small", 8, 128, warmup=2, steps=16),
+              dict(repeats=2), 2048),
+    "full": (Bench("small", 16, 128, warmup=3, steps=60), Bench("small", 16, 128, warmup=3, steps=40),
+             dict(repeats=3), 2048),
+}
+GPU_BENCH = Bench("base", 16, 1024, precision="bf16", vocab_size=50304, device="cuda", warmup=3, steps=30, chunk=5)
+TARGETS = {"loop_vs_torch": 0.97, "loop_vs_hf_trainer": 1.1, "ddp2_efficiency": 0.9}
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_name() -> str:
+    try: return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration): return platform.processor() or "unknown CPU"
+
+
+def quartiles(xs) -> list:
+    "[25th, 75th] percentile."
+    return statistics.quantiles(xs, n=4)[::2] if len(xs) > 1 else [xs[0], xs[0]]
+
+
+def contenders(b: Bench, matmul_n, hf, tmp) -> dict:
+    "Per-step seconds of each contender (and of the matmul), taking turns; warm-up turns dropped."
+    records = {}
+    def record(name, seconds, work): records.setdefault(name, []).append((seconds, work))
+    dtype = torch.bfloat16 if b.precision == "bf16" else torch.float32
+    acc = make_accelerator(mixed_precision="bf16" if b.precision == "bf16" else "no")
+    others = [TorchLoop(b), DistcourseStep(b, acc), Matmul(b.device, dtype, matmul_n, reps=20 if CUDA else 1)]
+    if hf: hf_trainer(b, others, record, tmp)  # the Trainer's loop drives; the others take turns in a callback
+    else:
+        for turn in range(b.warmup + b.steps): take_turns(others, b, record, turn)
+    return {k: {"step_s": [s for s, _ in v[b.warmup:]], "work_per_step": v[-1][1]} for k, v in records.items()}
+
+
+def summarize(per, b: Bench, model) -> dict:
+    "Tokens/s; ratios and MFU as medians over turns of what was measured back to back in each turn."
+    rate = {k: [v["work_per_step"] / s for s in v["step_s"]] for k, v in per.items()}  # tokens/s (matmul: FLOP/s)
+    tps = {k: statistics.median(v) for k, v in rate.items() if k != "matmul"}
+    fpt = flops_per_token(model, b.seq_len)
+    def ratio(a, c):
+        paired = [x / y for x, y in zip(rate[a], rate[c])]
+        return {"ratio": statistics.median(paired), "paired_iqr": quartiles(paired), "ratio_of_medians": tps[a] / tps[c]}
+    mfu = {k: statistics.median([fpt * x / peak for x, peak in zip(rate[k], rate["matmul"])]) for k in tps}
+    out = {"tokens_per_s": tps, "tokens_per_s_iqr": {k: quartiles(rate[k]) for k in tps},
+           "step_s": {k: v["step_s"] for k, v in per.items()}, "flops_per_token": fpt,
+           "peak_flops": statistics.median(rate["matmul"]), "peak_flops_iqr": quartiles(rate["matmul"]),
+           "mfu_by_contender": mfu, "ratios": {"loop_vs_torch": ratio("distcourse", "torch")}}
+    if "hf_trainer" in tps:
+        out["ratios"] |= {"loop_vs_hf_trainer": ratio("distcourse", "hf_trainer"),
+                          "hf_trainer_vs_torch": ratio("hf_trainer", "torch")}
+    return out
+
+
+def environment(b: Bench) -> dict:
+    "Device, library versions and thread counts of this run."
+    device = f"cuda: {torch.cuda.get_device_name()}" if b.device == "cuda" else f"cpu: {cpu_name()}"
+    return {"device": f"{device} ({cores()} cores available)",
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+                         "datasets": datasets.__version__, "tokenizers": tokenizers.__version__,
+                         "distcourse": distcourse.__version__, "platform": platform.platform()},
+            "threads": {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+                        "cores": cores(), "OMP_NUM_THREADS": os.getenv("OMP_NUM_THREADS"),
+                        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                        "TOKENIZERS_PARALLELISM": os.getenv("TOKENIZERS_PARALLELISM")}}
+
+
+def targets(res) -> dict:
+    "Each target: its value, the bar, and whether it is met (None: not measured in this run)."
+    got = {k: res.get(k) for k in TARGETS} | {"padding_waste_packing": res["padding_waste"]["packing"]}
+    bars = {k: f">= {v}" for k, v in TARGETS.items()} | {"padding_waste_packing": "== 0"}
+    met = {k: None if got[k] is None else (got[k] == 0 if k == "padding_waste_packing" else got[k] >= TARGETS[k])
+           for k in got}
+    return {k: {"value": got[k], "target": bars[k], "met": met[k]} for k in got}
+
+
+def table(res) -> str:
+    "The Markdown tables of a result."
+    f = lambda v, d=3: "—" if v is None else f"{v:.{d}f}"
+    lines = [f"Run {res['date']} on {res['device']}, `{res['command']}` ({res['wall_s']:.0f} s). "
+             f"Model `{res['config']['model']}` ({res['config']['num_params'] / 1e6:.1f}M parameters), "
+             f"batch {res['config']['batch_size']} x {res['config']['seq_len']} tokens, {res['config']['precision']}"
+             f"{', torch.compile' if res['config']['compile'] else ''}, {res['threads']['torch']} threads; "
+             f"load average {res['load_average']['start']:.1f} at the start, {res['load_average']['end']:.1f} at the end.", "",
+             "| metric | value | target | met |", "|---|---|---|---|"]
+    for k, t in res["targets"].items():
+        lines.append(f"| `{k}` | {f(t['value'])} | {t['target']} | {'—' if t['met'] is None else 'yes' if t['met'] else 'no'} |")
+    pw = res["padding_waste"]
+    lines += [f"| `padding_waste` fixed / dynamic / packing | {pw['fixed']:.1%} / {pw['dynamic']:.1%} / {pw['packing']:.1%} | | |",
+              f"| `data_tokens_per_s` (tokenize + pack) | {res['data_tokens_per_s']:,.0f} | | |",
+              f"| `mfu` (distcourse) | {res['mfu']:.1%} of a measured {res['peak_flops'] / 1e9:,.1f} GFLOP/s | | |",
+              "", "| contender | tokens/s (median) | IQR | MFU |", "|---|---|---|---|"]
+    for k, v in res["tokens_per_s"].items():
+        lo, hi = res["tokens_per_s_iqr"][k]
+        lines.append(f"| {k} | {v:,.0f} | {lo:,.0f}–{hi:,.0f} | {res['mfu_by_contender'][k]:.1%} |")
+    if res["ddp"]:
+        for k, v in res["ddp"]["tokens_per_s"].items(): lines.append(f"| distcourse, {k} threads (ddp) | {v:,.0f} | | |")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="~50 s on an idle 2-core CPU (full: ~4 min)")
+    mode.add_argument("--smoke", action="store_true", help="seconds, tiny sizes: checks the harness, not speed")
+    for k, t in (("model", str), ("batch_size", int), ("seq_len", int), ("precision", str), ("vocab_size", int),
+                 ("warmup", int), ("steps", int), ("chunk", int)):
+        p.add_argument(f"--{k}", type=t, help=f"override the mode's {k}")
+    p.add_argument("--compile", action="store_true", help="torch.compile every contender's model")
+    p.add_argument("--no_ddp", action="store_true", help="skip the 1- vs 2-process measurement")
+    p.add_argument("--no_hf", action="store_true", help="skip transformers.Trainer")
+    p.add_argument("--out", default=str(HERE), help="directory for results.json and results.md")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    t0, args, sections = time.time(), parse(argv), {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that launched workers are stopped on the way out
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    b, b_ddp, data_kw, matmul_n = MODES[mode]
+    if CUDA and mode != "smoke":
+        b, matmul_n = replace(GPU_BENCH, steps=10 if mode == "quick" else GPU_BENCH.steps), 8192
+    b = replace(b, compile=args.compile, **{k: getattr(args, k) for k in ("model", "batch_size", "seq_len",
+                "precision", "vocab_size", "warmup", "steps", "chunk") if getattr(args, k) is not None})
+    if CUDA and mode == "smoke": b = replace(b, device="cuda")
+    if b.precision not in ("fp32", "bf16"): sys.exit(f"--precision {b.precision}: choose fp32 or bf16")
+    torch.set_num_threads(cores())
+    if CUDA: torch.set_float32_matmul_precision("high")
+    datasets.disable_progress_bars(); transformers.logging.set_verbosity_error()
+    model, _ = build(b)  # builds the data caches once, before any process is launched
+    if not args.no_ddp: build(b_ddp)
+    res = {"mode": mode, "command": " ".join(["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **environment(b),
+           "config": asdict(b) | {"num_params": num_params(model), "matmul_n": matmul_n},
+           "load_average": {"start": os.getloadavg()[0]}}  # other programs' load: tokens/s move with it, ratios less
+    t = time.time()
+    res["padding_waste"] = padding_waste(b.seq_len, b.batch_size, data_kw.get("max_docs"))
+    res["data"] = data_throughput(b.seq_len, b.batch_size, **data_kw)
+    res["data_tokens_per_s"] = res["data"]["data_tokens_per_s"]
+    sections["data"], t = time.time() - t, time.time()
+    res["ddp"] = None if args.no_ddp else bench_ddp.summarize(bench_ddp.ddp_turns(b_ddp, cores()), b_ddp, cores())
+    res["ddp2_efficiency"] = res["ddp"]["ddp2_efficiency"] if res["ddp"] else None
+    sections["ddp"], t = time.time() - t, time.time()
+    with tempfile.TemporaryDirectory() as tmp:
+        res |= summarize(contenders(b, matmul_n, not args.no_hf, tmp), b, model)
+    sections["contenders"] = time.time() - t
+    res |= {k: v["ratio"] for k, v in res["ratios"].items()}
+    res.setdefault("loop_vs_hf_trainer", None)
+    res["mfu"], res["peak"] = res["mfu_by_contender"]["distcourse"], {
+        "flops_per_s": res["peak_flops"], "what": f"torch.mm {matmul_n}x{matmul_n}, {b.precision}, on {b.device}"}
+    res["load_average"]["end"] = os.getloadavg()[0]
+    res["targets"], res["section_s"], res["wall_s"] = targets(res), sections, time.time() - t0
+    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "results.md").write_text(table(res))
+    print(table(res))
+    return res
+
+
+if __name__ == "__main__": main()

@@ -1,0 +1,76 @@
+"""`benchmarks/run.py` runs end to end in its smallest form and writes every field; its speeds are not tested
+(performance is reported as ratios in benchmarks/RESULTS.md, never asserted by a test)."""
+import json
+import math
+
+import pytest
+
+from conftest import PY, ROOT, run_cli
+
+RUN = [PY, str(ROOT / "benchmarks" / "run.py"), "--smoke"]
+CONTENDERS = {"torch", "distcourse", "hf_trainer"}
+
+
+def number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = run_cli([*RUN, "--out", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_results_have_every_field(smoke):
+    res, _ = smoke
+    for k in ("loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "data_tokens_per_s", "mfu", "peak_flops"):
+        assert number(res[k]) and res[k] > 0, k
+    assert res["mfu"] == res["mfu_by_contender"]["distcourse"] and res["peak"]["flops_per_s"] == res["peak_flops"]
+    assert set(res["tokens_per_s"]) == CONTENDERS and all(number(v) and v > 0 for v in res["tokens_per_s"].values())
+    assert set(res["step_s"]) == CONTENDERS | {"matmul"}
+    assert all(len(v) == res["config"]["steps"] for v in res["step_s"].values())  # warm-up steps left out
+    assert set(res["ratios"]) == {"loop_vs_torch", "loop_vs_hf_trainer", "hf_trainer_vs_torch"}
+    assert isinstance(res["device"], str) and res["device"].startswith(("cpu", "cuda"))
+    assert {"torch", "transformers", "accelerate", "datasets", "distcourse"} <= set(res["versions"])
+    assert res["threads"]["torch"] >= 1 and res["config"]["model"] == "tiny"
+
+
+def test_padding_and_data_fields(smoke):
+    res, _ = smoke
+    pw = res["padding_waste"]
+    assert pw["packing"] == 0                      # packed blocks hold no padding, by construction
+    assert 0 <= pw["dynamic"] <= pw["fixed"] < 1   # a batch padded to its longest never exceeds seq_len
+    assert res["data_tokens_per_s"] == res["data"]["data_tokens_per_s"] and res["data"]["packed_tokens"] > 0
+
+
+def test_two_processes_were_one_gloo_group(smoke):
+    ddp = smoke[0]["ddp"]
+    assert ddp["distributed_type"] == {"1": "NO", "2": "MULTI_CPU"}  # not two lone copies
+    assert ddp["ddp2_efficiency"] == smoke[0]["ddp2_efficiency"] and len(ddp["step_s"]["2"]) == ddp["bench"]["steps"]
+    assert number(ddp["allreduce_s"]) and ddp["allreduce_s"] > 0
+
+
+def test_targets_and_markdown_table(smoke):
+    res, md = smoke
+    assert set(res["targets"]) == {"loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "padding_waste_packing"}
+    for k, t in res["targets"].items():
+        assert isinstance(t["met"], bool) and t["target"].startswith((">=", "==")), k
+    assert "| metric | value | target | met |" in md and "| contender | tokens/s (median) |" in md
+    assert all(f"`{k}`" in md for k in res["targets"]) and all(f"| {k} |" in md for k in CONTENDERS)
+
+
+def test_parts_can_be_left_out(tmp_path):
+    proc = run_cli([*RUN, "--no_ddp", "--no_hf", "--out", str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["ddp"] is None and res["ddp2_efficiency"] is None and res["loop_vs_hf_trainer"] is None
+    assert res["targets"]["ddp2_efficiency"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}
+    assert "| `ddp2_efficiency` | — |" in (tmp_path / "results.md").read_text()
+
+
+def test_bad_precision_says_what_to_pass(tmp_path):
+    proc = run_cli([*RUN, "--precision", "fp16", "--out", str(tmp_path)], timeout=120)
+    assert proc.returncode != 0 and "choose fp32 or bf16" in proc.stderr
+    assert not (tmp_path / "results.json").exists()
