@@ -52,10 +52,10 @@ class Config:
     grad_accum: int = 1          # micro-batches per optimizer step
     lr: float = 2e-3             # peak learning rate
     weight_decay: float = 0.1    # AdamW decay of matrices (not of biases and norm gains)
-    warmup_steps: int = 40       # linear warmup, then cosine decay to 0 at max_steps
-    max_steps: int = 800         # optimizer steps
+    warmup_steps: int = 30       # linear warmup, then cosine decay to 0 at max_steps
+    max_steps: int = 450         # optimizer steps (the default run: ~10 min on 2 CPU cores)
     max_grad_norm: float = 1.0   # clip the global gradient norm to this
-    eval_every: int = 200        # evaluate every N steps (and at the start and end); 0: start and end only
+    eval_every: int = 150        # evaluate every N steps (and at the start and end); 0: start and end only
     save_every: int = 0          # checkpoint every N steps; 0: no intermediate checkpoints
     keep_checkpoints: int = 3    # complete checkpoints kept, newest first
     log_every: int = 10          # a train record in metrics.jsonl every N steps
