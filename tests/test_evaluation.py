@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from conftest import ACCELERATE, free_port, run_cli
-from distcourse import evaluation, train
 from distcourse.evaluation import F1, Accuracy, Perplexity, confusion_matrix, eval_worker
 from distcourse.launch import launch
 from distcourse.loop import summarize
@@ -85,8 +84,6 @@ def test_confusion_matrix():
     assert cm.tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
 
 
-@pytest.mark.skipif(train.evaluate_distributed is not evaluation.evaluate_distributed,
-                    reason="distcourse.train does not use distcourse.evaluation.evaluate_distributed yet")
 def test_trainer_two_processes_counts_every_example_once(tmp_path):
     "A 2-process CLI run of the classifier: every eval record covers exactly val_size examples, with macro-F1."
     out = tmp_path / "cls"
