@@ -8,11 +8,15 @@ __all__ = ['MARKER', 'STATE_FILE', 'DataStream', 'latest_checkpoint', 'save_chec
 
 # %% ../nbs/07_checkpointing.ipynb #ff1a797d
 import argparse
+import ast
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -84,6 +88,26 @@ def _fsync(path):
     try: os.fsync(fd)
     finally: os.close(fd)
 
+class _TiedWeightsFilter(logging.Filter):
+    "Drop Accelerate's 'Removed shared tensor' warning when every name it lists is a tied weight."
+    def __init__(self, tied): super().__init__(); self.tied = tied
+    def filter(self, record):
+        m = re.search(r"Removed shared tensor (\{.*?\}) while saving", record.getMessage())
+        return not (m and ast.literal_eval(m.group(1)) <= self.tied)
+
+@contextmanager
+def _quiet_tied_weights(accelerator):
+    "Silence that warning for the prepared models' parameters that have two names (GPT-2: lm_head is wte)."
+    names = {}
+    for model in accelerator._models:
+        for name, p in accelerator.unwrap_model(model).named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(name)
+    log, quiet = logging.getLogger("accelerate.utils.other"), _TiedWeightsFilter(
+        {n for ns in names.values() if len(ns) > 1 for n in ns})
+    log.addFilter(quiet)
+    try: yield
+    finally: log.removeFilter(quiet)
+
 def _prune(root, keep):
     "Delete all but the newest `keep` complete checkpoints, incomplete step directories and .tmp-* leftovers."
     done = _complete(root)
@@ -104,7 +128,8 @@ def save_checkpoint(accelerator, output_dir, # every process calls this, with th
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # main: model, optimizer, scheduler...; every process: its RNG states
+    with _quiet_tied_weights(accelerator):
+        accelerator.save_state(str(tmp))  # main: model, optimizer, scheduler...; every process: its RNG states
     if accelerator.is_main_process: (tmp / STATE_FILE).write_text(record)
     accelerator.wait_for_everyone()   # all files of all processes are in tmp
     if accelerator.is_main_process:
