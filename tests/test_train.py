@@ -66,13 +66,29 @@ def test_two_processes_are_real_and_equal(runs):
 
 
 def test_resume_latest(runs, tmp_path):
-    "A resumed run continues from the newest checkpoint and appends to the same metrics."
+    "Resuming from an earlier checkpoint of the run repeats its later steps exactly; metrics.jsonl holds each once."
     out, _ = runs["one"]
-    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(out),
-                    "--resume", "latest", "--max_steps", "14"])
+    again = tmp_path / "again"
+    shutil.copytree(out, again)
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(again),
+                    "--resume", str(again / "checkpoints/step_6")])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [r["step"] for r in records(out) if "split" not in r]
-    assert steps[-2:] == [13, 14]
+    train = [r for r in records(again) if "split" not in r]
+    assert [r["step"] for r in train] == list(range(1, 13))  # the first run's steps 7-12 replaced, not appended
+    assert [r["loss"] for r in train] == [r["loss"] for r in records(out) if "split" not in r]  # exact
+
+
+def test_resume_refuses_another_schedule(runs, tmp_path):
+    "--max_steps (or --lr, --warmup_steps) other than the checkpoint's: refused, naming the flag and the fix."
+    out, _ = runs["one"]
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(run),
+                    "--resume", "latest", "--max_steps", "14", "--lr", "1e-3"])
+    msg = error_line(proc)
+    assert "--max_steps saved 12, now 14" in msg and "--lr saved 0.003, now 0.001" in msg, msg
+    assert "Resume with --lr 0.003 --max_steps 12" in msg and "train longer in a new run" in msg, msg
+    assert max(r["step"] for r in records(run)) == 12  # nothing was trained or logged
 
 
 BAD = [
@@ -141,10 +157,9 @@ def test_two_process_resume_is_exact(runs, tmp_path):
     run = json.loads((again / "run.json").read_text())
     assert run["resumed_from"] == {"path": str(again / "checkpoints/step_6"), "step": 6}
     steps = [r["step"] for r in records(again) if "split" not in r]
-    assert steps == [*range(1, 13), *range(7, 13)]  # appended: the resumed run's records come last
-    first = {r["step"]: r["loss"] for r in records(out) if "split" not in r}
-    resumed = {r["step"]: r["loss"] for r in records(again) if "split" not in r}  # later records win
-    assert resumed == first  # exact float equality
+    assert steps == list(range(1, 13))  # the lost steps' records were dropped at the resume, then written again
+    first = [r["loss"] for r in records(out) if "split" not in r]
+    assert [r["loss"] for r in records(again) if "split" not in r] == first  # exact float equality
     assert run["before"] == json.loads((out / "run.json").read_text())["before"]  # read back, not re-measured
 
 
@@ -160,7 +175,7 @@ def test_resume_refuses_what_does_not_fit(runs, tmp_path):
     msg = error_line(two_procs("--output_dir", str(run), "--resume", "latest", "--seq_len", "32"))
     assert "seq_len saved 64, now 32" in msg, msg
     proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "4", "--output_dir", str(run),
-                    "--resume", "latest", "--max_steps", "14"])
+                    "--resume", "latest"])
     msg = error_line(proc)
     assert msg.startswith("distcourse.train: error: --resume") and "world_size: saved 2, now 1" in msg, msg
     assert max(r["step"] for r in records(run)) == 12  # nothing was trained or logged
