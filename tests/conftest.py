@@ -1,4 +1,4 @@
-import os, socket, subprocess, sys
+import os, shutil, socket, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -28,3 +28,19 @@ def cli():
 
 PY = sys.executable
 ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
+
+
+def fresh_copy(dest):
+    "The repository's tracked files, as they are in the working tree, copied into `dest`: what a clone holds."
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for name in filter(None, files.stdout.split("\0")):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def copy_env(repo):
+    "Environment in which `repo` (a fresh copy) is the `distcourse` that Python imports, with the data cache shared."
+    return {**os.environ, "PYTHONPATH": str(repo),  # as `pip install -e .` in the copy would give
+            "DISTCOURSE_DATA": str(ROOT / "data")}  # the offline corpus cache (content-keyed): no rebuild

@@ -1,14 +1,12 @@
 """The README's commands are true: its trainer block, pasted in order into a fresh copy of the repository, runs
 line by line, and every flag it shows exists in the command's --help."""
-import os
 import re
 import shlex
-import shutil
 import subprocess
 
 import pytest
 
-from conftest import PY, ROOT, run_cli
+from conftest import PY, ROOT, copy_env, fresh_copy, run_cli
 
 README = (ROOT / "README.md").read_text()
 
@@ -20,22 +18,11 @@ def trainer_block() -> list:
     return [l for l in block.splitlines() if l.strip() and not l.startswith("#")]
 
 
-def fresh_copy(dest):
-    "The repository's tracked files (as they are in the working tree) in `dest`: what a clone would hold."
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)
-    for name in filter(None, files.stdout.split("\0")):
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-
-
 def test_trainer_block_runs_in_order(tmp_path):
     lines = trainer_block()
     assert len(lines) >= 5 and any("--resume" in l for l in lines), lines
-    repo = tmp_path / "distcourse"
-    fresh_copy(repo)
-    env = {**os.environ, "PYTHONPATH": str(repo),  # the copy's package, as `pip install -e .` in it would give
-           "DISTCOURSE_DATA": str(ROOT / "data")}  # the offline corpus cache (content-keyed), to save a rebuild
+    repo = fresh_copy(tmp_path / "distcourse")
+    env = copy_env(repo)
     for line in lines:
         argv = shlex.split(line)
         if argv[0] == "python": argv[0] = PY
