@@ -106,7 +106,7 @@ def test_free_ports_are_distinct_and_usable():
 
 
 def test_two_launches_at_once(tmp_path):
-    "Two notebooks launching at the same time (as under nbdev-test) both succeed, on different ports."
+    "Two notebooks launching at the same time (as under nbdev_test) both succeed, on different ports."
     code = "import sys; from distcourse.launch import launch, hello_worker; launch(hello_worker, (sys.argv[1],))"
     outs = [tmp_path / "a", tmp_path / "b"]
     for o in outs: o.mkdir()
