@@ -135,7 +135,8 @@ def main(argv=None):
     for m in modules: (docs / "api" / f"{m}.md").write_text(api_page(m))
     (docs / "index.md").write_text(home(pages))
     (SRC / "mkdocs.yml").write_text(json.dumps(config(pages, modules), indent=1))  # JSON is YAML
-    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(SRC / "mkdocs.yml")], check=True)
+    subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(SRC / "mkdocs.yml")],
+                   cwd=SRC, check=True)  # mkdocs-jupyter caches its conversions in the working directory
     print(f"site/_build/ ({len(pages)} lessons, {len(modules)} API pages) in {time.time() - t0:.0f} s")
 
 
