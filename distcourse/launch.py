@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['free_port', 'launch', 'hello_worker', 'plain_worker', 'asked_world_size', 'lone_accelerate_launch', 'WorldSizeError',
-           'verify_world_size', 'make_accelerator', 'accelerator_worker', 'main']
+           'verify_world_size', 'make_accelerator', 'chosen_threads', 'cores', 'local_processes', 'cpu_threads',
+           'accelerator_worker', 'main']
 
 # %% ../nbs/02a_launch.ipynb #02a3a7b0
 import json
@@ -13,6 +14,7 @@ import socket
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator, notebook_launcher
@@ -44,16 +46,16 @@ def _fresh_accelerate_state(clear=True):
         for cls, state in saved: cls._shared_state.clear(); cls._shared_state.update(state)
 
 # %% ../nbs/02a_launch.ipynb #cd6a5e6d
-def launch(fn,              # a function defined in a module, so that it can be pickled
+def launch(fn,              # any function: the processes are forks of this one, so they have it
            args=(),         # positional arguments of `fn`
            num_processes=2, # processes on this machine; 1 runs `fn` here, in this process
            port=None,       # rendezvous port; a free one when None (the default 29500 collides)
            **env):          # environment variables for the run, e.g. ACCELERATE_MIXED_PRECISION="bf16"
     "Run `fn(*args)` on `num_processes` processes that form one process group (gloo on CPU)."
     if num_processes < 1: raise ValueError(f"num_processes={num_processes}: must be at least 1")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // num_processes)
-    cpu = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": threads}
+    n_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, n_cores // num_processes)
+    cpu = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"}
     env = {"DISTCOURSE_WORLD_SIZE": num_processes, "TOKENIZERS_PARALLELISM": "false", **cpu, **env}
     # An Accelerator made earlier in this process would leak into `fn` or block notebook_launcher; that only
     # matters when a GPU is already initialised here (forked processes cannot use it), so then we leave it.
@@ -125,7 +127,44 @@ def make_accelerator(**kwargs) -> Accelerator:
     kwargs.setdefault("cpu", not torch.cuda.is_available())  # a plain Accelerator() on CPU: N lone copies
     accelerator = Accelerator(**kwargs)
     verify_world_size(accelerator)
+    if accelerator.device.type == "cpu": torch.set_num_threads(cpu_threads(local_processes(accelerator))[0])
     return accelerator
+
+# %% ../nbs/02a_launch.ipynb #05847045
+_LAUNCHERS = ("accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+def _launcher():
+    "The `accelerate launch` or `torchrun` process that started this one, or None."
+    try:
+        parent = psutil.Process().parent()
+        return parent if parent and any(l in " ".join(parent.cmdline()) for l in _LAUNCHERS) else None
+    except psutil.Error: return None
+
+def chosen_threads() -> tuple:
+    "(threads, how they were chosen) when the user chose the threads per process, else (None, None)."
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if not omp.isdigit(): return None, None
+    launcher = _launcher()
+    if launcher is None: return int(omp), "OMP_NUM_THREADS"  # nobody but the user sets it for a plain process
+    try:
+        if "--num_cpu_threads_per_process" in launcher.cmdline(): return int(omp), "--num_cpu_threads_per_process"
+        if "OMP_NUM_THREADS" in launcher.environ(): return int(omp), "OMP_NUM_THREADS"
+    except psutil.Error: pass
+    return None, None  # the launcher's own default (1), not a choice
+
+def cores() -> int:
+    "The cores this process may run on."
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+def local_processes(accelerator) -> int:
+    "Processes of this run on this machine."
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or accelerator.num_processes)
+
+def cpu_threads(local=1) -> tuple: # processes of the run on this machine
+    "(threads per process, why): the user's choice, else the cores shared by the local processes."
+    n, how = chosen_threads()
+    if n: return n, f"{how}={n}, the user's choice"
+    return max(1, cores() // local), f"{cores()} cores / {local} process(es) on this machine"
 
 # %% ../nbs/02a_launch.ipynb #d19c910e
 def accelerator_worker(out_dir, **kwargs):

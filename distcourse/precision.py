@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['MATMULS', 'dtype_name', 'format_info', 'amp_context', 'module_dtypes', 'cast_report', 'amp_step', 'saved_bytes',
-           'activation_bytes', 'time_steps', 'op_dtypes']
+           'activation_bytes', 'time_steps', 'op_dtypes', 'cpu_flags', 'native_bf16', 'resolve_precision']
 
 # %% ../nbs/04_mixed_precision.ipynb #c613bd42
 import math
@@ -165,3 +165,24 @@ def op_dtypes(ops=MATMULS): # names of the torch functions to watch
     "Count the output formats of the calls to `ops` made inside the block: {(op, format): calls}."
     mode = _OpDtypes(ops)
     with mode: yield mode.counts
+
+# %% ../nbs/04_mixed_precision.ipynb #b5ea13d1
+def cpu_flags() -> set:
+    "The CPU's feature flags (Linux `/proc/cpuinfo`); an empty set where the file does not exist."
+    try: return next((set(l.split(":", 1)[1].split()) for l in open("/proc/cpuinfo") if l.startswith("flags")), set())
+    except OSError: return set()
+
+def native_bf16(device_type) -> tuple: # "cpu" or "cuda"
+    "(does `device_type` compute in bf16 natively, why)."
+    if device_type == "cuda":
+        ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+        return ok, f"this GPU {'has' if ok else 'has no'} native bf16"
+    found = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(found), f"this CPU has {', '.join(found)}" if found else "this CPU has neither avx512_bf16 nor amx_bf16"
+
+def resolve_precision(choice, # "auto", "no", "bf16" or "fp16"
+                      device_type) -> tuple:
+    "(Accelerate's mixed_precision for `choice`, why): auto is bf16 where it is native, else no (fp32)."
+    if choice != "auto": return choice, "asked for"
+    ok, why = native_bf16(device_type)
+    return ("bf16" if ok else "no"), f"auto: {why}"
