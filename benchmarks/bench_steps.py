@@ -15,7 +15,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from distcourse.data import get_dataloaders, get_tokenizer
 from distcourse.ddp import train_step
-from distcourse.loop import epochs, make_optimizer, make_scheduler
+from distcourse.loop import epochs, loss_sum, make_optimizer, make_scheduler
 from distcourse.model import build_model
 
 LR, BETAS, WEIGHT_DECAY, WARMUP_STEPS, MAX_GRAD_NORM = 2e-3, (0.9, 0.95), 0.1, 10, 1.0
@@ -85,7 +85,7 @@ class DistcourseStep:
 
     def __init__(self, b: Bench, accelerator):
         model, dl = build(b)
-        if b.compile: model = torch.compile(model)
+        self.loss_fn = torch.compile(loss_sum) if b.compile else loss_sum  # as the trainer compiles: model and loss
         opt = make_optimizer(model, LR, WEIGHT_DECAY, BETAS)
         self.sched = make_scheduler(opt, WARMUP_STEPS, b.total_steps)
         self.acc = accelerator
@@ -94,7 +94,7 @@ class DistcourseStep:
 
     def step(self) -> int:
         batch = next(self.batches)
-        train_step(self.acc, self.model, self.opt, self.sched, [batch], "clm", MAX_GRAD_NORM)
+        train_step(self.acc, self.model, self.opt, self.sched, [batch], "clm", MAX_GRAD_NORM, self.loss_fn)
         return batch["input_ids"].numel() * self.acc.num_processes  # every process's batch has this shape
 
 

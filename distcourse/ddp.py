@@ -88,7 +88,8 @@ def grads_ddp(out_dir, task="clm", batch_size=8,
 # %% ../nbs/03_ddp.ipynb #4b1c34b8
 def train_step(accelerator, model, optimizer, scheduler,  # prepared by `accelerator` (the scheduler may be left out)
                micro_batches,   # this process's micro-batches of one optimizer step
-               task, max_grad_norm=1.0) -> dict:
+               task, max_grad_norm=1.0,
+               loss_fn=loss_sum) -> dict:  # (model, batch, task) -> (loss sum, count): `loss_sum`, or it compiled
     "One optimizer step: loss = Σ token losses ÷ tokens of the global batch (all ranks, all micro-batches)."
     local = sum(count_targets(b, task) for b in micro_batches)
     n = accelerator.reduce(local.to(accelerator.device), "sum")  # tokens of the global batch, before any backward
@@ -97,7 +98,7 @@ def train_step(accelerator, model, optimizer, scheduler,  # prepared by `acceler
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with nullcontext() if last else accelerator.no_sync(model):  # all-reduce once, after the last backward
-            s, _ = loss_sum(model, batch, task)
+            s, _ = loss_fn(model, batch, task)
             accelerator.backward(s * scale)
         total += s.detach().float()
     accelerator.sync_gradients = True  # the prepared optimizer steps only when this is set

@@ -27,7 +27,7 @@ from transformers import AutoConfig
 
 from .data import get_dataloaders, get_tokenizer, hub_offline
 from .model import PRESETS, build_model, check_compat, num_params
-from .loop import make_scheduler
+from .loop import loss_sum, make_scheduler
 from .ddp import train_step
 from .launch import WorldSizeError, cpu_threads, local_processes, make_accelerator
 from .precision import resolve_precision
@@ -280,7 +280,7 @@ def train(config=None, **overrides) -> dict:
     memory, stream = track_memory(model, opt), DataStream(train_dl, cfg.seed)  # memory: at the first step
     start, tokens, resumed = _resume(acc, cfg, stream)
     chose = choices(cfg, acc, cfg.max_steps - start)
-    fwd = torch.compile(model) if chose["compile"]["value"] else model  # evaluation runs the eager model
+    loss_fn = torch.compile(loss_sum) if chose["compile"]["value"] else loss_sum  # model and loss: one graph
     run = Run(acc, cfg, start)
     start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, model, val_dl, cfg, resumed)
@@ -288,8 +288,8 @@ def train(config=None, **overrides) -> dict:
     bar = (text_bar if multiprocessing.parent_process() else tqdm)(  # forked from a notebook: no widgets
         range(start + 1, cfg.max_steps + 1), desc="train", disable=not acc.is_main_process)
     for step in bar:
-        res = train_step(acc, fwd, opt, sched, [next(stream) for _ in range(cfg.grad_accum)], cfg.task,
-                         cfg.max_grad_norm)
+        res = train_step(acc, model, opt, sched, [next(stream) for _ in range(cfg.grad_accum)], cfg.task,
+                         cfg.max_grad_norm, loss_fn)
         tokens, window = tokens + res["tokens"], window + res["tokens"]
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             run.log(step=step, loss=res["loss"], lr=sched.get_last_lr()[0], tokens=tokens,
