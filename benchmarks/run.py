@@ -4,6 +4,7 @@
     python benchmarks/run.py                  # full: batch 16, more turns (on a GPU: GPT-2 124M's shape, bf16)
     python benchmarks/run.py --compile        # every contender torch.compile'd
     python benchmarks/run.py --smoke --out /tmp/b  # seconds: what tests/test_benchmarks.py runs
+    python benchmarks/run.py --quick --paths  # + fp32/bf16 x eager/compile, and the main job's own tokens/s
 
 Contenders take turns step by step in one process (warm-up excluded, medians over turns), so a neighbour's
 load slows all of them alike; every target is a ratio of two numbers measured in the same run.
@@ -46,7 +47,9 @@ MODES = {
              dict(repeats=3), 2048),
 }
 GPU_BENCH = Bench("base", 16, 1024, precision="bf16", vocab_size=50304, device="cuda", warmup=3, steps=30, chunk=5)
-TARGETS = {"loop_vs_torch": 0.97, "loop_vs_hf_trainer": 1.1, "ddp2_efficiency": 0.9}
+TARGETS = {"loop_vs_torch": 0.97, "loop_vs_hf_trainer": 1.1, "ddp2_efficiency": 0.9, "main_job_vs_best_path": 0.95}
+PATHS = {"fp32 eager": ("fp32", False), "fp32 compile": ("fp32", True), "bf16 eager": ("bf16", False),
+         "bf16 compile": ("bf16", True)}
 
 
 def cores() -> int:
@@ -95,6 +98,30 @@ def summarize(per, b: Bench, model) -> dict:
     return out
 
 
+def paths(b: Bench, matmul_n, model, tmp) -> dict:
+    "torch loop and distcourse step side by side on each of fp32/bf16 x eager/compile (what the hardware offers)."
+    out = {}
+    for name, (precision, compiled) in PATHS.items():
+        r = summarize(contenders(replace(b, precision=precision, compile=compiled), matmul_n, False, tmp), b, model)
+        out[name] = {"tokens_per_s": r["tokens_per_s"], "loop_vs_torch": r["ratios"]["loop_vs_torch"]["ratio"]}
+    return out
+
+
+def main_job(b: Bench, steps, tmp) -> dict:
+    "The trainer itself, as `accelerate launch -m distcourse.train` runs it (its defaults; the shape of `b`)."
+    from distcourse.launch import launch
+    from distcourse.tracking import read_metrics
+    from distcourse.train import Config, train
+    cfg = Config(model=b.model, batch_size=b.batch_size, seq_len=b.seq_len, max_steps=steps, eval_every=0,
+                 log_every=5, tracker="none", output_dir=str(Path(tmp, "main_job")),
+                 compile="true")  # what --compile auto picks for the main job's 450 steps
+    launch(train, (cfg,), num_processes=1)  # a fresh Accelerate state, in this process
+    run = json.loads(Path(cfg.output_dir, "run.json").read_text())
+    windows = [r["tokens_per_s"] for r in read_metrics(cfg.output_dir)["train"][2:]]  # compile and warm-up left out
+    return {"tokens_per_s": statistics.median(windows), "steps": steps, "choices": run["choices"],
+            "mixed_precision": run["mixed_precision"]}
+
+
 def environment(b: Bench) -> dict:
     "Device, library versions and thread counts of this run."
     device = f"cuda: {torch.cuda.get_device_name()}" if b.device == "cuda" else f"cpu: {cpu_name()}"
@@ -139,6 +166,13 @@ def table(res) -> str:
         lines.append(f"| {k} | {v:,.0f} | {lo:,.0f}–{hi:,.0f} | {res['mfu_by_contender'][k]:.1%} |")
     if res["ddp"]:
         for k, v in res["ddp"]["tokens_per_s"].items(): lines.append(f"| distcourse, {k} threads (ddp) | {v:,.0f} | | |")
+    if res.get("paths"):
+        lines += ["", "| path (16 x 128) | torch tokens/s | distcourse tokens/s | loop_vs_torch |", "|---|---|---|---|"]
+        for k, v in res["paths"].items():
+            lines.append(f"| {k} | {v['tokens_per_s']['torch']:,.0f} | {v['tokens_per_s']['distcourse']:,.0f} | "
+                         f"{v['loop_vs_torch']:.3f} |")
+        mj = res["main_job"]
+        lines.append(f"| the main job's defaults ({mj['mixed_precision']}, compile) | | {mj['tokens_per_s']:,.0f} | |")
     return "\n".join(lines) + "\n"
 
 
@@ -153,6 +187,8 @@ def parse(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile every contender's model")
     p.add_argument("--no_ddp", action="store_true", help="skip the 1- vs 2-process measurement")
     p.add_argument("--no_hf", action="store_true", help="skip transformers.Trainer")
+    p.add_argument("--paths", action="store_true", help="also fp32/bf16 x eager/compile and the main job itself "
+                   "(at the main job's batch, 16 x 128; ~5 min on 2 cores)")
     p.add_argument("--out", default=str(HERE), help="directory for results.json and results.md")
     return p.parse_args(argv)
 
@@ -189,6 +225,16 @@ def main(argv=None):
         res |= summarize(contenders(b, matmul_n, not args.no_hf, tmp), b, model)
     sections["contenders"] = time.time() - t
     res |= {k: v["ratio"] for k, v in res["ratios"].items()}
+    res["main_job_vs_best_path"] = None
+    if args.paths:
+        t = time.time()
+        job_b = replace(b, batch_size=16, seq_len=128, warmup=2, steps=10)  # the main job's shape
+        with tempfile.TemporaryDirectory() as tmp:
+            res["paths"] = paths(job_b, matmul_n, model, tmp)
+            res["main_job"] = main_job(job_b, 40 if mode == "smoke" else 80, tmp)
+        best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
+        res["main_job_vs_best_path"] = res["main_job"]["tokens_per_s"] / best
+        sections["paths"] = time.time() - t
     res.setdefault("loop_vs_hf_trainer", None)
     res["mfu"], res["peak"] = res["mfu_by_contender"]["distcourse"], {
         "flops_per_s": res["peak_flops"], "what": f"torch.mm {matmul_n}x{matmul_n}, {b.precision}, on {b.device}"}
