@@ -100,9 +100,12 @@ def summarize(per, b: Bench, model) -> dict:
 
 def paths(b: Bench, matmul_n, model, tmp) -> dict:
     "torch loop and distcourse step side by side on each of fp32/bf16 x eager/compile (what the hardware offers)."
+    from distcourse.launch import _fresh_accelerate_state  # each path's Accelerator as a new process would make it
     out = {}
     for name, (precision, compiled) in PATHS.items():
-        r = summarize(contenders(replace(b, precision=precision, compile=compiled), matmul_n, False, tmp), b, model)
+        with _fresh_accelerate_state():
+            per = contenders(replace(b, precision=precision, compile=compiled), matmul_n, False, tmp)
+        r = summarize(per, b, model)
         out[name] = {"tokens_per_s": r["tokens_per_s"], "loop_vs_torch": r["ratios"]["loop_vs_torch"]["ratio"]}
     return out
 
@@ -231,7 +234,7 @@ def main(argv=None):
         job_b = replace(b, batch_size=16, seq_len=128, warmup=2, steps=10)  # the main job's shape
         with tempfile.TemporaryDirectory() as tmp:
             res["paths"] = paths(job_b, matmul_n, model, tmp)
-            res["main_job"] = main_job(job_b, 40 if mode == "smoke" else 80, tmp)
+            res["main_job"] = main_job(job_b, 15 if mode == "smoke" else 80, tmp)
         best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
         res["main_job_vs_best_path"] = res["main_job"]["tokens_per_s"] / best
         sections["paths"] = time.time() - t

@@ -54,17 +54,26 @@ def test_two_processes_were_one_gloo_group(smoke):
 
 def test_targets_and_markdown_table(smoke):
     res, md = smoke
-    assert set(res["targets"]) == {"loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "padding_waste_packing"}
+    assert set(res["targets"]) == {"loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "padding_waste_packing",
+                                   "main_job_vs_best_path"}
+    assert res["targets"]["main_job_vs_best_path"]["met"] is None  # measured only with --paths
     for k, t in res["targets"].items():
-        assert isinstance(t["met"], bool) and t["target"].startswith((">=", "==")), k
+        assert k == "main_job_vs_best_path" or isinstance(t["met"], bool), k
+        assert t["target"].startswith((">=", "==")), k
     assert "| metric | value | target | met |" in md and "| contender | tokens/s (median) |" in md
     assert all(f"`{k}`" in md for k in res["targets"]) and all(f"| {k} |" in md for k in CONTENDERS)
 
 
-def test_parts_can_be_left_out(tmp_path):
-    proc = run_cli([*RUN, "--no_ddp", "--no_hf", "--out", str(tmp_path)], timeout=300)
+def test_parts_can_be_left_out_and_paths_added(tmp_path):
+    proc = run_cli([*RUN, "--no_ddp", "--no_hf", "--paths", "--out", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
+    assert set(res["paths"]) == {"fp32 eager", "fp32 compile", "bf16 eager", "bf16 compile"}
+    assert all(number(v["loop_vs_torch"]) and set(v["tokens_per_s"]) == {"torch", "distcourse"}
+               for v in res["paths"].values())
+    best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
+    assert res["main_job_vs_best_path"] == res["main_job"]["tokens_per_s"] / best
+    assert res["main_job"]["choices"]["compile"]["value"] is True and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
     assert res["ddp"] is None and res["ddp2_efficiency"] is None and res["loop_vs_hf_trainer"] is None
     assert res["targets"]["ddp2_efficiency"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}
     assert "| `ddp2_efficiency` | — |" in (tmp_path / "results.md").read_text()
