@@ -103,10 +103,12 @@ def paths(b: Bench, matmul_n, model, tmp) -> dict:
     from distcourse.launch import _fresh_accelerate_state  # each path's Accelerator as a new process would make it
     out = {}
     for name, (precision, compiled) in PATHS.items():
+        hf = name in ("fp32 eager", "bf16 compile")  # the Trainer's default precision, and the course's default
         with _fresh_accelerate_state():
-            per = contenders(replace(b, precision=precision, compile=compiled), matmul_n, False, tmp)
+            per = contenders(replace(b, precision=precision, compile=compiled), matmul_n, hf, tmp)
         r = summarize(per, b, model)
         out[name] = {"tokens_per_s": r["tokens_per_s"], "loop_vs_torch": r["ratios"]["loop_vs_torch"]["ratio"]}
+        if hf: out[name]["loop_vs_hf_trainer"] = r["ratios"]["loop_vs_hf_trainer"]["ratio"]
     return out
 
 
@@ -176,6 +178,11 @@ def table(res) -> str:
                          f"{v['loop_vs_torch']:.3f} |")
         mj = res["main_job"]
         lines.append(f"| the main job's defaults ({mj['mixed_precision']}, compile) | | {mj['tokens_per_s']:,.0f} | |")
+        for k in ("fp32 eager", "bf16 compile"):
+            lines.append(f"| transformers.Trainer, {k} | {res['paths'][k]['tokens_per_s']['hf_trainer']:,.0f} | | |")
+        lines += ["", f"`main_job_vs_best_path` {res['main_job_vs_best_path']:.3f}; `defaults_vs_hf_trainer_defaults` "
+                      f"{res['defaults_vs_hf_trainer_defaults']:.2f} (tokens/s; target 2); `matched_vs_hf_trainer` "
+                      f"(bf16 + compile on both) {res['matched_vs_hf_trainer']:.3f} (target 0.97)"]
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +244,11 @@ def main(argv=None):
             res["main_job"] = main_job(job_b, 15 if mode == "smoke" else 80, tmp)
         best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
         res["main_job_vs_best_path"] = res["main_job"]["tokens_per_s"] / best
+        # The course's defaults (bf16 where native, compiled) against transformers.Trainer's (fp32, eager; the
+        # optimizer matched: torch AdamW), and both at matched settings (bf16 + compile).
+        res["defaults_vs_hf_trainer_defaults"] = (res["main_job"]["tokens_per_s"]
+                                                  / res["paths"]["fp32 eager"]["tokens_per_s"]["hf_trainer"])
+        res["matched_vs_hf_trainer"] = res["paths"]["bf16 compile"]["loop_vs_hf_trainer"]
         sections["paths"] = time.time() - t
     res.setdefault("loop_vs_hf_trainer", None)
     res["mfu"], res["peak"] = res["mfu_by_contender"]["distcourse"], {

@@ -73,6 +73,7 @@ def test_parts_can_be_left_out_and_paths_added(tmp_path):
                for v in res["paths"].values())
     best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
     assert res["main_job_vs_best_path"] == res["main_job"]["tokens_per_s"] / best
+    assert number(res["defaults_vs_hf_trainer_defaults"]) and number(res["matched_vs_hf_trainer"])
     assert res["main_job"]["choices"]["compile"]["value"] is True and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
     assert res["ddp"] is None and res["ddp2_efficiency"] is None and res["loop_vs_hf_trainer"] is None
     assert res["targets"]["ddp2_efficiency"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}

@@ -23,10 +23,13 @@ worker = partial(resumable_worker, **SIZES)
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     "In-process runs use one thread, like each of 2 launched processes on 2 cores (tiny matrices gain nothing)."
-    before = torch.get_num_threads()
+    before, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # a user's choice, which make_accelerator keeps
     yield
     torch.set_num_threads(before)
+    if omp is None: os.environ.pop("OMP_NUM_THREADS")
+    else: os.environ["OMP_NUM_THREADS"] = omp
 
 
 def losses(out):
