@@ -65,13 +65,17 @@ def test_two_processes_are_real_and_equal(runs):
     assert worst <= 1e-5, worst
 
 
+def resume_copy(out, copy, *argv):
+    "Resume a copy of the 1-process run `out` in `copy` with the extra flags `argv` (1 process, batch 8)."
+    shutil.copytree(out, copy)
+    return run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(copy), *argv])
+
+
 def test_resume_latest(runs, tmp_path):
     "Resuming from an earlier checkpoint of the run repeats its later steps exactly; metrics.jsonl holds each once."
     out, _ = runs["one"]
     again = tmp_path / "again"
-    shutil.copytree(out, again)
-    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(again),
-                    "--resume", str(again / "checkpoints/step_6")])
+    proc = resume_copy(out, again, "--resume", str(again / "checkpoints/step_6"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = [r for r in records(again) if "split" not in r]
     assert [r["step"] for r in train] == list(range(1, 13))  # the first run's steps 7-12 replaced, not appended
@@ -82,10 +86,7 @@ def test_resume_refuses_another_schedule(runs, tmp_path):
     "--max_steps (or --lr, --warmup_steps) other than the checkpoint's: refused, naming the flag and the fix."
     out, _ = runs["one"]
     run = tmp_path / "run"
-    shutil.copytree(out, run)
-    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(run),
-                    "--resume", "latest", "--max_steps", "14", "--lr", "1e-3"])
-    msg = error_line(proc)
+    msg = error_line(resume_copy(out, run, "--resume", "latest", "--max_steps", "14", "--lr", "1e-3"))
     assert "--max_steps saved 12, now 14" in msg and "--lr saved 0.003, now 0.001" in msg, msg
     assert "Resume with --lr 0.003 --max_steps 12" in msg and "train longer in a new run" in msg, msg
     assert max(r["step"] for r in records(run)) == 12  # nothing was trained or logged
