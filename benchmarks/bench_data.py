@@ -6,7 +6,8 @@ import torch
 from datasets import Dataset
 from transformers import DataCollatorWithPadding
 
-from distcourse.data import get_collator, get_dataloaders, get_tokenizer, load_corpus, prepare_clm, prepare_mlm
+from distcourse.data import get_tokenizer, load_corpus
+from distcourse.loaders import get_collator, get_dataloaders, prepare_clm, prepare_mlm
 
 
 def _pad_fraction(collate, docs, batch_size) -> float:

@@ -13,7 +13,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments, get_cosine_schedule_with_warmup
 from transformers.trainer_callback import PrinterCallback
 
-from distcourse.data import get_dataloaders, get_tokenizer
+from distcourse.data import get_tokenizer
+from distcourse.loaders import get_dataloaders
 from distcourse.ddp import train_step
 from distcourse.loop import epochs, loss_sum, make_optimizer, make_scheduler
 from distcourse.model import build_model

@@ -20,7 +20,8 @@ from transformers import (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
                           BertForMaskedLM, BertForSequenceClassification, GPT2ForSequenceClassification,
                           GPT2LMHeadModel, PretrainedConfig, PreTrainedModel)
 
-from .data import TASKS, hub_offline
+from .data import hub_offline
+from .loaders import TASKS
 
 # %% ../nbs/01_model.ipynb #4216ebc6
 PRESETS = {  # shared by both architectures; dropout None keeps the library's defaults (0.1)

@@ -8,8 +8,8 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler
 
-from distcourse.data import (EpochSampler, get_collator, get_dataloaders, get_tokenizer, load_corpus,
-                             prepare_cls, split_dataset)
+from distcourse.data import get_tokenizer, load_corpus
+from distcourse.loaders import EpochSampler, get_collator, get_dataloaders, prepare_cls, split_dataset
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

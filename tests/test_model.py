@@ -7,7 +7,8 @@ import torch
 import torch.nn as nn
 import transformers
 
-from distcourse.data import get_dataloaders, get_tokenizer
+from distcourse.data import get_tokenizer
+from distcourse.loaders import get_dataloaders
 from distcourse.model import PRESETS, GPT, GPTConfig, build_model, check_compat, num_params
 
 PAIRS = [("clm", "gpt2"), ("mlm", "bert"), ("cls", "bert"), ("cls", "gpt2")]  # every (task, arch) there is
