@@ -10,6 +10,7 @@ __all__ = ['free_port', 'cores', 'launch', 'hello_worker', 'plain_worker', 'aske
 # %% ../nbs/02a_launch.ipynb #02a3a7b0
 import json
 import os
+import random
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,8 +23,19 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import patch_environment
 
 # %% ../nbs/02a_launch.ipynb #b4a85380
+def _ephemeral_low() -> int:
+    "The lowest port the OS hands out to outgoing connections (Linux's setting; IANA's 49152 elsewhere)."
+    try: return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError): return 49152
+
 def free_port() -> int:
-    "A TCP port on 127.0.0.1 that the OS reports free now (another program could take it before we do)."
+    "A TCP port on 127.0.0.1 that is free now, below the ports the OS hands out to outgoing connections."
+    low, rng = _ephemeral_low(), random.Random()  # its own RNG: a launch never moves a seeded one
+    for _ in range(200):  # every gloo connection takes an OS-chosen port: stay out of that range
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try: s.bind(("127.0.0.1", port)); return port
+            except OSError: continue  # taken: try another
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # port 0: the OS picks an unused one
         return s.getsockname()[1]

@@ -1,4 +1,4 @@
-import os, shutil, socket, subprocess, sys
+import os, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -9,10 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from distcourse.launch import free_port  # noqa: E402  (below the ephemeral ports gloo's connections take)
 
 
 def run_cli(args, cwd=ROOT, timeout=600, env=None):
