@@ -15,7 +15,7 @@ import evaluate
 import numpy as np
 import torch
 
-from .ddp import setup
+from .loop import setup
 from .launch import make_accelerator
 from .loop import example_stats, summarize
 

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['to_device', 'count_targets', 'logits_of', 'loss_sum', 'make_optimizer', 'make_scheduler', 'example_stats',
-           'summarize', 'evaluate', 'epochs', 'train_basic']
+           'summarize', 'evaluate', 'epochs', 'train_basic', 'setup']
 
 # %% ../nbs/02_basic_loop.ipynb #676c87cc
 import math
@@ -14,6 +14,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
+
+from .data import get_tokenizer
+from .loaders import get_dataloaders
+from .model import build_model
 
 # %% ../nbs/02_basic_loop.ipynb #4aa84f92
 def to_device(batch, device):
@@ -123,3 +127,19 @@ def train_basic(model, train_dl, val_dl, task,
         if step % eval_every == 0 or step == max_steps:
             hist["val"].append({"step": step, **evaluate(model, val_dl, task, eval_batches)})
     return hist
+
+# %% ../nbs/02_basic_loop.ipynb #c225e547
+def setup(task="clm",     # "clm" or "cls" (any task of `get_dataloaders`)
+          batch_size=8,   # examples per batch (per process once a loader is sharded)
+          seq_len=32, max_examples=400, seed=0,
+          model="tiny"):  # a preset of `build_model`
+    "The loaders and a model initialised from `seed`: what every process of this lesson's runs builds."
+    tok = get_tokenizer("stdlib")
+    train_dl, val_dl = get_dataloaders(task, tok, seq_len, batch_size, seed=seed, max_examples=max_examples)
+    num_labels = None
+    if task == "cls":
+        labels = train_dl.dataset.features["labels"]
+        num_labels = getattr(labels, "num_classes", None) or len(set(train_dl.dataset["labels"]))
+    torch.manual_seed(seed)  # the same initial weights in every process
+    return build_model(model, task, tokenizer=tok, num_labels=num_labels), train_dl, val_dl
+
