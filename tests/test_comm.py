@@ -1,13 +1,10 @@
-"""`benchmarks/bench_comm.py` on 2 real gloo processes: every collective at every size, nccl-tests' bus-bandwidth
-factors (the speeds themselves are measurements, not tested)."""
-import sys
-
+"""`distcourse.comm` on real gloo processes: every collective timed at every size with nccl-tests' bus-bandwidth
+factors (the speeds themselves are measurements, not tested), and the byte counting."""
 import pytest
+import torch
+import torch.distributed as dist
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_comm import COLLECTIVES, bus_factor, measure  # noqa: E402
+from distcourse.comm import TIMED, bus_factor, count_collectives, measure_collectives, ring_bytes_sent
 
 
 def test_bus_factors_are_nccl_tests():
@@ -16,15 +13,33 @@ def test_bus_factors_are_nccl_tests():
     assert bus_factor("broadcast", 8) == bus_factor("send_recv", 8) == 1.0
 
 
+def test_ring_bytes_sent():
+    assert ring_bytes_sent({"all_reduce": 100}, 2) == 100      # 2(N-1)/N
+    assert ring_bytes_sent({"all_gather_single": 100, "reduce_scatter_single": 100}, 4) == 150
+
+
+def test_count_collectives_counts_payloads_and_restores(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        original = dist.all_reduce
+        with count_collectives() as counts:
+            dist.all_reduce(torch.zeros(10))                         # 40 bytes
+            dist.all_gather_into_tensor(torch.zeros(6), torch.zeros(6))  # the output: 24 bytes
+        assert counts == {"all_reduce": 40, "all_gather_into_tensor": 24}
+        assert dist.all_reduce is original                           # put back on exit
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def two():
-    return measure(worlds=(2,), max_mib=1, repeats=2)[2]
+    return measure_collectives(worlds=(2,), max_mib=1, repeats=2)[2]
 
 
 def test_every_collective_at_every_size(two):
     sizes = sorted({r["bytes"] for r in two})
     assert sizes == [1024 * 4 ** k for k in range(6)]  # 1 KiB ... 1 MiB
-    assert {(r["collective"], r["bytes"]) for r in two} == {(c, s) for c in COLLECTIVES for s in sizes}
+    assert {(r["collective"], r["bytes"]) for r in two} == {(c, s) for c in TIMED for s in sizes}
     for r in two:
         assert r["seconds"] > 0
         assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
