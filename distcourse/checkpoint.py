@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['MARKER', 'STATE_FILE', 'DataStream', 'latest_checkpoint', 'save_checkpoint', 'load_checkpoint', 'check_output_dir',
-           'params_sha256', 'resumable_worker', 'main']
+           'params_sha256', 'resumable_worker', 'main', 'ShardedState']
 
 # %% ../nbs/07_checkpointing.ipynb #ff1a797d
 import argparse
@@ -23,9 +23,11 @@ import torch
 import torch.distributed as dist
 from accelerate import skip_first_batches
 
-from .ddp import setup, train_step
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from .ddp import train_steps
 from .launch import make_accelerator
-from .loop import make_optimizer, make_scheduler
+from .loop import make_optimizer, make_scheduler, setup
 
 # %% ../nbs/07_checkpointing.ipynb #893f1051
 def _epoch_iter(loader, epoch, skip=0):
@@ -211,7 +213,7 @@ def resumable_worker(output_dir,   # checkpoints, losses.jsonl and (at the end) 
                      stop_at=0,    # save and return after this step, like a job at its time limit; 0: to the end
                      keep=3, lr=3e-3, seed=0, dropout=0.1,  # dropout (the presets have none) exercises the RNGs
                      model="tiny", batch_size=8, seq_len=32, max_examples=60):
-    "Worker: `train_step` on a `DataStream`, resuming from the newest complete checkpoint in `output_dir`."
+    "Worker: `train_steps` on a `DataStream`, resuming from the newest complete checkpoint in `output_dir`."
     acc, out = make_accelerator(), Path(output_dir)
     check_output_dir(out)
     net, train_dl, _ = setup("clm", batch_size, seq_len, max_examples, seed, model)
@@ -225,9 +227,8 @@ def resumable_worker(output_dir,   # checkpoints, losses.jsonl and (at the end) 
     if (last := latest_checkpoint(out)) is not None:
         state = load_checkpoint(acc, last, expect=fingerprint)
         step, loss = state["step"], state["loss"]; stream.load_state_dict(state["data"])
-    while step < (stop_at or max_steps):
-        step += 1
-        loss = train_step(acc, net, opt, sched, [next(stream)], "clm")["loss"]
+    for step, res in train_steps(acc, net, opt, sched, stream, "clm", stop_at or max_steps, start=step):
+        loss = res["loss"]
         _append(acc, out / "losses.jsonl", {"step": step, "loss": loss, **stream.state_dict()})
         if step == stop_at or save_every and step % save_every == 0:
             save_checkpoint(acc, out, step, dict(loss=loss, data=stream.state_dict(), fingerprint=fingerprint), keep)
@@ -247,6 +248,24 @@ def main(argv=None):
     print(f"rank {os.getenv('RANK', '0')}: pid {os.getpid()}, restart {restart}", flush=True)
     resumable_worker(**args)
     if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # leave together: exiting alone can abort a rank
+
+# %% ../nbs/07_checkpointing.ipynb #a259fa6b
+class ShardedState:
+    "The ZeRO-sharded model (stages 2-3) and optimizer state, gathered whole to save, cut into shards to load."
+    def __init__(self, model, optimizer, stage): self.model, self.optimizer, self.stage = model, optimizer, stage
+
+    def state_dict(self) -> dict:  # a collective: every rank calls it; rank 0's result is what gets saved
+        if self.stage == 1:
+            self.optimizer.consolidate_state_dict(to=0)  # the optimizer's shards, gathered on rank 0
+            return {"optimizer": self.optimizer.state_dict() if dist.get_rank() == 0 else {}}
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=full)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_state_dict(self, state):  # every rank gets the whole state and keeps its own shard
+        if self.stage == 1: return self.optimizer.load_state_dict(state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
 
 # %% ../nbs/07_checkpointing.ipynb #ae6371e1
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m` and `torchrun -m`, not a notebook

@@ -100,14 +100,15 @@ def test_sigkill_during_save(where, straight, tmp_path):
 KILLS_RANK_1 = """
 import os, signal, sys
 import distcourse.checkpoint as ckpt
+import distcourse.ddp as ddp  # train_steps, the loop every run uses, calls ddp.train_step
 
-real_step, calls = ckpt.train_step, [0]
+real_step, calls = ddp.train_step, [0]
 def train_step(accelerator, *args, **kwargs):
     calls[0] += 1
     if calls[0] == 7 and accelerator.process_index == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         os.kill(os.getpid(), signal.SIGKILL)
     return real_step(accelerator, *args, **kwargs)
-ckpt.train_step = train_step
+ddp.train_step = train_step
 ckpt.main(sys.argv[1:])
 """
 
