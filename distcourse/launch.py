@@ -21,6 +21,9 @@ import torch.distributed as dist
 from accelerate import Accelerator, notebook_launcher
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import patch_environment
+from datasets import disable_progress_bars as disable_datasets_bars
+from huggingface_hub.utils import disable_progress_bars as disable_hub_bars
+from transformers.utils.logging import disable_progress_bar as disable_transformers_bar
 
 # %% ../nbs/02a_launch.ipynb #b4a85380
 def _ephemeral_low() -> int:
@@ -48,6 +51,8 @@ def cores() -> int:
 def _worker(fn, threads, *args):
     "Runs in each launched process: a fair share of the cores, `fn`, then leave the process group together."
     torch.set_num_threads(threads)
+    for quiet in (disable_datasets_bars, disable_hub_bars, disable_transformers_bar):
+        quiet()  # a forked process writes into the notebook's kernel channel: its widget bars arrive as stray messages
     fn(*args)
     if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # a rank exiting early can abort another
 

@@ -73,5 +73,5 @@ def test_api_reference_lists_the_package(site_url):
     for m in modules:
         html = urllib.request.urlopen(f"{site_url}api/distcourse.{m}.html", timeout=10).read().decode()
         assert f"distcourse.{m}" in html
-    train = urllib.request.urlopen(f"{site_url}api/distcourse.train.html", timeout=10).read().decode()
-    assert "max_steps" in train and "optimizer steps" in train  # a docments comment of Config made it to the page
+    config = urllib.request.urlopen(f"{site_url}api/distcourse.config.html", timeout=10).read().decode()
+    assert "max_steps" in config and "optimizer steps" in config  # a docments comment of Config made it to the page
