@@ -1,5 +1,5 @@
-"""Activation recomputation in one process: the block's saved bytes predicted to the byte, checkpoint_blocks on the
-course's GPT and on transformers' GPT-2 (same loss and gradients, fewer bytes), and the errors it raises."""
+"""Activation recomputation in one process: the block's saved bytes predicted to the byte, checkpoint_blocks
+on the course's GPT and on transformers' GPT-2 (same loss and gradients, fewer bytes), the errors it raises."""
 from contextlib import nullcontext
 
 import pytest
@@ -9,14 +9,15 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from distcourse.model import GPT, GPTConfig, _Block
 from distcourse.recompute import (activation_bytes, activation_terms, checkpoint_blocks, is_checkpointed,
-                                  korthikanti_bytes, measure_saved_bytes, predicted_activation_bytes, recompute,
-                                  saved_tensors)
+                                  korthikanti_bytes, measure_saved_bytes, predicted_activation_bytes,
+                                  recompute, saved_tensors)
 
 GRAD_TOL = 1e-6  # |Δgrad| with vs without recomputation; measured 0.0 (the same ops on the same inputs)
 
 
 def cfg(h=64, a=4, layers=1, dropout=0.0, positions=128, vocab=64):
-    return GPTConfig(vocab_size=vocab, n_positions=positions, n_layer=layers, n_head=a, n_embd=h, dropout=dropout)
+    return GPTConfig(vocab_size=vocab, n_positions=positions, n_layer=layers, n_head=a, n_embd=h,
+                     dropout=dropout)
 
 
 def block_storages(c, b, s, backend=None):
@@ -49,8 +50,8 @@ def lm_batch(vocab=128, b=4, s=64, seed=0):
 def test_paper_formula():
     assert korthikanti_bytes(2048, 1, 12288, 96) == 2048 * 12288 * (34 + 80)  # GPT-3: 5as/h = 80
     for s, b, h, a in [(2048, 8, 12288, 96), (512, 8, 1024, 16), (64, 2, 64, 4)]:
-        ours = predicted_activation_bytes(cfg(h, a, dropout=0.1, positions=s), b, s, dtype_bytes=2, attention="math",
-                                          mask_bytes=1)
+        ours = predicted_activation_bytes(cfg(h, a, dropout=0.1, positions=s), b, s, dtype_bytes=2,
+                                          attention="math", mask_bytes=1)
         assert ours - 16 * s * b == korthikanti_bytes(s, b, h, a)  # + the LayerNorm statistics only
 
 
@@ -59,11 +60,11 @@ def test_terms_by_hand():
     for s, b, h, a in [(32, 2, 64, 4), (128, 1, 64, 8), (16, 3, 48, 6)]:
         assert predicted_activation_bytes(cfg(h, a), b, s) == 64 * s * b * h + 4 * a * s * b + 16 * s * b
         assert predicted_activation_bytes(cfg(h, a), b, s, attention="math") == \
-            64 * s * b * h + 4 * a * s * s * b + 16 * s * b + (8 * s * b * h if b == 1 else 0)  # b=1: v is a view
+            64 * s * b * h + 4 * a * s * s * b + 16 * s * b + (8 * s * b * h if b == 1 else 0)  # b=1: v view
 
 
 @pytest.mark.parametrize("kw, message", [(dict(c=cfg(64, 3), b=2, s=16), "not divisible by n_head=3"),
-                                         (dict(c=cfg(positions=64), b=2, s=128), "exceeds the model's 64 positions"),
+                                         (dict(c=cfg(positions=64), b=2, s=128), "exceeds the model's 64"),
                                          (dict(c=cfg(), b=2, s=16, attention="naive"), "choose 'flash'")])
 def test_terms_refuse(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -102,7 +103,8 @@ def test_activation_bytes_whole_gpt():
     block = predicted_activation_bytes(c, b, s)
     assert activation_bytes(model, batch) == 4 * block + head_bytes(b, s, 64, 128)
     checkpoint_blocks(model)
-    assert activation_bytes(model, batch) == 4 * 4 * s * b * 64 + head_bytes(b, s, 64, 128)  # each block's input
+    inputs = 4 * 4 * s * b * 64  # what each of the 4 checkpointed blocks keeps: its input
+    assert activation_bytes(model, batch) == inputs + head_bytes(b, s, 64, 128)
 
 
 # ------------------------------------------------------------------ recomputation keeps the results
@@ -112,7 +114,8 @@ def test_recompute_by_hand():
     loss0, g0 = grads(block, lambda: block(x).square().sum())
     gx0 = x.grad.clone(); x.grad = None
     loss1, g1 = grads(block, lambda: recompute(block, x).square().sum())
-    assert loss0 == loss1 and max_diff(g0, g1) <= GRAD_TOL and torch.allclose(x.grad, gx0, atol=GRAD_TOL, rtol=0)
+    assert loss0 == loss1 and max_diff(g0, g1) <= GRAD_TOL
+    assert torch.allclose(x.grad, gx0, atol=GRAD_TOL, rtol=0)
     assert measure_saved_bytes(lambda: recompute(block, x), list(block.parameters())) == 4 * 2 * 32 * 64
 
 
@@ -138,9 +141,9 @@ def test_checkpoint_blocks_gpt(dropout):
 
 def test_checkpoint_blocks_transformers():
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=3, n_head=4, resid_pdrop=0.0,
-                                       embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
-                                       bos_token_id=None, eos_token_id=None)).train()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=3, n_head=4,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       attn_implementation="sdpa", bos_token_id=None, eos_token_id=None)).train()
     batch = lm_batch()
     loss_fn = lambda: model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
     loss0, g0 = grads(model, loss_fn)
