@@ -1,5 +1,5 @@
 """Activation recomputation in one process: the block's saved bytes predicted to the byte, checkpoint_blocks
-on the course's GPT and on transformers' GPT-2 (same loss and gradients, fewer bytes), the errors it raises."""
+on the course's GPT and transformers' GPT-2 (same loss and gradients, fewer bytes), the errors it raises."""
 from contextlib import nullcontext
 
 import pytest
@@ -142,8 +142,8 @@ def test_checkpoint_blocks_gpt(dropout):
 def test_checkpoint_blocks_transformers():
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=64, n_embd=64, n_layer=3, n_head=4,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                       attn_implementation="sdpa", bos_token_id=None, eos_token_id=None)).train()
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                                       eos_token_id=None, attn_implementation="sdpa")).train()
     batch = lm_batch()
     loss_fn = lambda: model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
     loss0, g0 = grads(model, loss_fn)
