@@ -9,7 +9,7 @@ __all__ = ['shard', 'unshard', 'check_tp', 'count_comm', 'CopyToTP', 'ReduceFrom
            'compare_dtensor', 'GatherFromSP', 'ScatterToSP', 'saved_activation_bytes', 'sp_saved_bytes', 'compare_sp',
            'average_grads', 'train_losses', 'compare_dp_tp', 'tp_worker']
 
-# %% ../nbs/05c_tensor_parallel.ipynb #a16d7ce6
+# %% ../nbs/05c_tensor_parallel.ipynb #6f858391
 import copy
 import json
 import os
@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from .model import GPT, GPTConfig
 
-# %% ../nbs/05c_tensor_parallel.ipynb #f4326fb1
+# %% ../nbs/05c_tensor_parallel.ipynb #4605acd2
 def shard(full,     # a full weight or bias
           rank,     # which slice
           tp,       # how many slices
@@ -42,7 +42,7 @@ def unshard(shards, dim, parts=1):  # every rank's `shard`, in rank order
     pieces = [s.chunk(parts, dim) for s in shards]
     return torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim)
 
-# %% ../nbs/05c_tensor_parallel.ipynb #4e079156
+# %% ../nbs/05c_tensor_parallel.ipynb #d51ca3bd
 def check_tp(config,           # a GPTConfig
              tp,               # the tensor-parallel degree N
              world_size=None): # processes in the run: a multiple of tp
@@ -51,18 +51,18 @@ def check_tp(config,           # a GPTConfig
     fits = [t for t in range(1, config.n_head + 1) if config.n_head % t == 0 and config.n_embd % t == 0]
     sizes = {"n_head": config.n_head, "hidden size 4*n_embd": 4 * config.n_embd, "n_embd": config.n_embd}
     for what, n in sizes.items():
-        if n % tp: raise ValueError(f"{what}={n} is not divisible by tp={tp}: each rank needs whole heads and equal "
-                                    f"slices; pick tp in {fits} (or change the model)")
+        if n % tp: raise ValueError(f"{what}={n} is not divisible by tp={tp}: each rank needs whole heads "
+                                    f"and equal slices; pick tp in {fits} (or change the model)")
     if world_size is not None and world_size % tp:
-        raise ValueError(f"tp={tp} does not divide the world size {world_size}: launch a multiple of {tp} processes, "
-                         f"or pick tp in {[t for t in fits if world_size % t == 0]}")
+        raise ValueError(f"tp={tp} does not divide the world size {world_size}: launch a multiple of {tp} "
+                         f"processes, or pick tp in {[t for t in fits if world_size % t == 0]}")
 
-# %% ../nbs/05c_tensor_parallel.ipynb #fb7b0d28
+# %% ../nbs/05c_tensor_parallel.ipynb #02fe8d67
 _LOGS = []  # the logs of the open `count_comm` blocks
 
 @contextmanager
 def count_comm():
-    "A list of (collective, 'forward'|'backward'|'param_grad', elements) for every collective called in the block."
+    "A list of (collective, direction, elements) for each collective of this module called inside the block."
     log = []
     _LOGS.append(log)
     try: yield log
@@ -87,7 +87,7 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad): return grad, None
 
-# %% ../nbs/05c_tensor_parallel.ipynb #7f762395
+# %% ../nbs/05c_tensor_parallel.ipynb #56406ab4
 class ColumnParallelLinear(nn.Module):
     "Y_r = X A_r + b_r: this rank's slice of the output features; the input enters through f."
     shard_dim = 0
@@ -95,8 +95,9 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.parts, self.sequence_parallel = group, parts, sequence_parallel
-        self.weight = nn.Parameter(shard(linear.weight.detach(), rank, tp, 0, parts).clone())  # (out/tp, in)
-        self.bias = None if linear.bias is None else nn.Parameter(shard(linear.bias.detach(), rank, tp, 0, parts).clone())
+        def mine(t): return nn.Parameter(shard(t.detach(), rank, tp, 0, parts).clone())
+        self.weight = mine(linear.weight)  # (out/tp, in)
+        self.bias = None if linear.bias is None else mine(linear.bias)  # (out/tp,)
 
     def forward(self, x):  # (B, T, in), or (B, T/tp, in) under sequence parallelism
         x = GatherFromSP.apply(x, self.group) if self.sequence_parallel else CopyToTP.apply(x, self.group)
@@ -110,14 +111,14 @@ class RowParallelLinear(nn.Module):
         rank, tp = dist.get_rank(group), dist.get_world_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = nn.Parameter(shard(linear.weight.detach(), rank, tp, 1).clone())  # (out, in/tp)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # whole: added once
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # added once
 
     def forward(self, x):  # (B, T, in/tp)
         y = F.linear(x, self.weight)  # (B, T, out): this rank's partial sum
         y = ScatterToSP.apply(y, self.group) if self.sequence_parallel else ReduceFromTP.apply(y, self.group)
         return y if self.bias is None else y + self.bias  # (B, T, out), or (B, T/tp, out)
 
-# %% ../nbs/05c_tensor_parallel.ipynb #e1fc47e5
+# %% ../nbs/05c_tensor_parallel.ipynb #89fb6e7d
 class ParallelSelfAttention(nn.Module):
     "Causal self-attention over the heads whose q, k, v columns `c_attn` returns on this rank."
     def __init__(self, c_attn, c_proj, head_dim, dropout=0.0):
@@ -134,7 +135,7 @@ class ParallelSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, local)  # (B, T, C/tp): this rank's heads side by side
         return self.resid_dropout(self.c_proj(y))  # (B, T, C), summed over ranks by c_proj
 
-# %% ../nbs/05c_tensor_parallel.ipynb #81110d99
+# %% ../nbs/05c_tensor_parallel.ipynb #a91db6d7
 def tensor_parallel(model,                    # a GPT, as one process holds it
                     group=None,               # the ranks that share each block; None: all of them
                     sequence_parallel=False): # residual stream split along the sequence (last section)
@@ -145,8 +146,9 @@ def tensor_parallel(model,                    # a GPT, as one process holds it
     model = copy.deepcopy(model)
     for block in model.transformer.h:
         a, m = block.attn, block.mlp
-        block.attn = ParallelSelfAttention(ColumnParallelLinear(a.c_attn, group, 3, sp),  # whole heads per rank
-                                           RowParallelLinear(a.c_proj, group, sp), c.n_embd // c.n_head, c.dropout)
+        qkv = ColumnParallelLinear(a.c_attn, group, parts=3, sequence_parallel=sp)  # whole heads per rank
+        proj = RowParallelLinear(a.c_proj, group, sequence_parallel=sp)
+        block.attn = ParallelSelfAttention(qkv, proj, c.n_embd // c.n_head, c.dropout)
         m.c_fc, m.c_proj = ColumnParallelLinear(m.c_fc, group, 1, sp), RowParallelLinear(m.c_proj, group, sp)
     if sp: _sequence_parallel(model, group)
     return model
@@ -154,18 +156,19 @@ def tensor_parallel(model,                    # a GPT, as one process holds it
 def assert_sharded(model, tp):
     "Fail unless every block's c_attn, c_fc and c_proj is a parallel layer holding its 1/tp slice."
     C = model.config.n_embd
-    want = {"attn.c_attn": (ColumnParallelLinear, (3 * C // tp, C)), "attn.c_proj": (RowParallelLinear, (C, C // tp)),
-            "mlp.c_fc": (ColumnParallelLinear, (4 * C // tp, C)), "mlp.c_proj": (RowParallelLinear, (C, 4 * C // tp))}
+    col, row = ColumnParallelLinear, RowParallelLinear
+    want = {"attn.c_attn": (col, (3 * C // tp, C)), "attn.c_proj": (row, (C, C // tp)),
+            "mlp.c_fc": (col, (4 * C // tp, C)), "mlp.c_proj": (row, (C, 4 * C // tp))}
     for i, block in enumerate(model.transformer.h):
         for name, (cls, shape) in want.items():
-            layer = block.get_submodule(name)
-            assert isinstance(layer, cls), f"block {i} {name} is a {type(layer).__name__}, not a {cls.__name__}"
-            assert tuple(layer.weight.shape) == shape, f"block {i} {name}: {tuple(layer.weight.shape)}, want {shape}"
+            layer, where = block.get_submodule(name), f"block {i} {name}"
+            assert isinstance(layer, cls), f"{where} is a {type(layer).__name__}, not a {cls.__name__}"
+            assert tuple(layer.weight.shape) == shape, f"{where}: {tuple(layer.weight.shape)}, want {shape}"
         assert not any(type(m) is nn.Linear for m in block.modules()), f"block {i} keeps a whole nn.Linear"
 
-# %% ../nbs/05c_tensor_parallel.ipynb #a196c3f3
+# %% ../nbs/05c_tensor_parallel.ipynb #d9c18bcd
 def gather_full_state(model, grads=False):  # grads=True: the gradients instead of the weights
-    "Full-shape weights (or gradients) of a `tensor_parallel` GPT, named as `GPT.named_parameters`, on every rank."
+    "Full-shape weights (or gradients) of a `tensor_parallel` GPT, named as in `GPT.named_parameters`."
     out, seen = {}, set()
     for mod_name, mod in model.named_modules():
         for name, p in mod.named_parameters(recurse=False):
@@ -181,7 +184,7 @@ def gather_full_state(model, grads=False):  # grads=True: the gradients instead 
             out[f"{mod_name}.{name}"] = t.clone()
     return out
 
-# %% ../nbs/05c_tensor_parallel.ipynb #f8d3bd56
+# %% ../nbs/05c_tensor_parallel.ipynb #d1c0bff7
 def tiny_gpt(seed=0, vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=32) -> GPT:
     "A small GPT (dropout 0), the same on every rank for the same seed."
     torch.manual_seed(seed)
@@ -213,10 +216,10 @@ def per_block(log, n_layer) -> dict:
         out[key] = (out.get(key, (0, n))[0] + 1, n)
     return {k: (calls / n_layer, n) for k, (calls, n) in out.items()}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #e07602ae
+# %% ../nbs/05c_tensor_parallel.ipynb #4eaa64a5
 def dtensor_parallel(model, # a GPT, as one process holds it
                      mesh): # a 1-D DeviceMesh over the tensor-parallel ranks
-    "This rank's copy of `model` split by `parallelize_module` (q, k, v rows regrouped so each rank gets its heads)."
+    "This rank's copy of `model` split by DTensor's `parallelize_module`, whole heads per rank."
     c, tp = model.config, mesh.size()
     check_tp(c, tp)
     model = copy.deepcopy(model)
@@ -242,14 +245,14 @@ def dtensor_full_state(model, grads=False):  # grads=True: the gradients instead
         out[name] = t.clone()
     return out
 
-# %% ../nbs/05c_tensor_parallel.ipynb #b2e9defc
+# %% ../nbs/05c_tensor_parallel.ipynb #24b80a4e
 def _comm_counts(mode) -> dict:
     "{collective: calls} from a CommDebugMode."
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
 
 def compare_dtensor(ref, mesh, idx, targets) -> dict:
     "One step by hand and with DTensor from `ref`'s weights: their differences and the collectives of each."
-    warnings.filterwarnings("ignore", message="Full backward hook")  # CommDebugMode's module tracker on a leaf input
+    warnings.filterwarnings("ignore", message="Full backward hook")  # CommDebugMode's tracker, harmless here
     hand = tensor_parallel(ref, mesh.get_group())
     want_logits, _, log = step_and_count(hand, idx, targets)
     want_grads = gather_full_state(hand, grads=True)
@@ -262,7 +265,7 @@ def compare_dtensor(ref, mesh, idx, targets) -> dict:
             "by_hand": per_block(log, n), "forward": {k: v / n for k, v in _comm_counts(fwd).items()},
             "backward": {k: v / n for k, v in _comm_counts(bwd).items()}}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #b580e1d8
+# %% ../nbs/05c_tensor_parallel.ipynb #5384872a
 def _all_gather(t, group, direction):  # (B, T/tp, C) -> (B, T, C): every rank's chunk in rank order
     x = t.transpose(0, 1).contiguous()  # the sequence first: gathered chunks join along dim 0
     out = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=t.dtype)
@@ -291,7 +294,7 @@ class ScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad): return _all_gather(grad, ctx.group, "backward"), None
 
-# %% ../nbs/05c_tensor_parallel.ipynb #6dbbabd9
+# %% ../nbs/05c_tensor_parallel.ipynb #2a9cde2b
 class _SplitToSP(torch.autograd.Function):
     "Keep this rank's chunk of the sequence forward, all-gather backward."
     @staticmethod
@@ -319,7 +322,7 @@ def _sequence_parallel(model, group):
         if ".ln_" in name or name.endswith("c_proj.bias"):
             p.register_hook(lambda grad: _all_reduce(grad.clone(), group, "param_grad"))
 
-# %% ../nbs/05c_tensor_parallel.ipynb #c098494a
+# %% ../nbs/05c_tensor_parallel.ipynb #1ae33b3e
 def saved_activation_bytes(model, idx, targets) -> int:
     "Bytes one forward of `model` saves for backward, parameters left out, each storage counted once."
     params, seen = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
@@ -345,13 +348,14 @@ def compare_sp(ref, group, idx, targets, want_logits, want_grads) -> dict:
                       "tp": saved_activation_bytes(tensor_parallel(ref, group), idx, targets),
                       "tp+sp": saved_activation_bytes(model, idx, targets)}}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #1e16cdc0
+# %% ../nbs/05c_tensor_parallel.ipynb #45de8053
 def average_grads(model, group):
     "Data parallelism by hand: each gradient all-reduced over `group` and divided by its size."
     for p in model.parameters():
         if p.grad is not None: _all_reduce(p.grad, group, "dp_grad").div_(dist.get_world_size(group))
 
-def train_losses(model, batches, steps, lr=1e-2, dp_group=None) -> list:  # dp_group: average gradients over it
+def train_losses(model, batches, steps, lr=1e-2,
+                 dp_group=None) -> list:  # average the gradients over this group before each step
     "The losses of `steps` AdamW steps on `batches` (cycled); with `dp_group`, averaged over it."
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
@@ -366,7 +370,7 @@ def train_losses(model, batches, steps, lr=1e-2, dp_group=None) -> list:  # dp_g
         losses.append(loss.item())
     return losses
 
-# %% ../nbs/05c_tensor_parallel.ipynb #8d0666b7
+# %% ../nbs/05c_tensor_parallel.ipynb #8a660d84
 def compare_dp_tp(ref, mesh, batches, steps, lr=1e-2) -> dict:
     "dp x tp from `ref` on a (dp, tp) mesh, each dp rank taking its share of every batch, beside one process."
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
@@ -377,13 +381,14 @@ def compare_dp_tp(ref, mesh, batches, steps, lr=1e-2) -> dict:
     model = tensor_parallel(ref, tp_group)
     logits, _, log = step_and_count(model, *mine[0])
     with count_comm() as dp_log: average_grads(model, dp_group)  # one all-reduce per local tensor
-    return {"logits": (logits - want_logits.chunk(dp)[dp_rank]).abs().max().item(), "log": log, "dp_log": dp_log,
+    return {"logits": (logits - want_logits.chunk(dp)[dp_rank]).abs().max().item(),
+            "log": log, "dp_log": dp_log,
             "local_params": sum(p.numel() for p in model.parameters()),
             "grads": rel_diff(gather_full_state(model, grads=True), want_grads),
             "losses": {"one process": train_losses(copy.deepcopy(ref), batches, steps, lr),
                        "dp x tp": train_losses(tensor_parallel(ref, tp_group), mine, steps, lr, dp_group)}}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #3302a46f
+# %% ../nbs/05c_tensor_parallel.ipynb #24eaeaf1
 def tp_worker(out_dir, tp=None, steps=20, seed=0):  # tp: the TP degree, all processes when None
     "Worker: every check of this lesson (tp = world), or dp x tp, against one process; rank 0 writes tp.json."
     ref, world = tiny_gpt(seed), int(os.environ["WORLD_SIZE"])
