@@ -9,7 +9,7 @@ __all__ = ['shard', 'unshard', 'check_tp', 'count_comm', 'CopyToTP', 'ReduceFrom
            'compare_dtensor', 'GatherFromSP', 'ScatterToSP', 'saved_activation_bytes', 'sp_saved_bytes', 'compare_sp',
            'average_grads', 'train_losses', 'compare_dp_tp', 'tp_worker']
 
-# %% ../nbs/05c_tensor_parallel.ipynb #6f858391
+# %% ../nbs/05c_tensor_parallel.ipynb #3cab355b
 import copy
 import json
 import os
@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from .model import GPT, GPTConfig
 
-# %% ../nbs/05c_tensor_parallel.ipynb #4605acd2
+# %% ../nbs/05c_tensor_parallel.ipynb #844728aa
 def shard(full,     # a full weight or bias
           rank,     # which slice
           tp,       # how many slices
@@ -42,7 +42,7 @@ def unshard(shards, dim, parts=1):  # every rank's `shard`, in rank order
     pieces = [s.chunk(parts, dim) for s in shards]
     return torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim)
 
-# %% ../nbs/05c_tensor_parallel.ipynb #d51ca3bd
+# %% ../nbs/05c_tensor_parallel.ipynb #a7febc97
 def check_tp(config,           # a GPTConfig
              tp,               # the tensor-parallel degree N
              world_size=None): # processes in the run: a multiple of tp
@@ -57,7 +57,7 @@ def check_tp(config,           # a GPTConfig
         raise ValueError(f"tp={tp} does not divide the world size {world_size}: launch a multiple of {tp} "
                          f"processes, or pick tp in {[t for t in fits if world_size % t == 0]}")
 
-# %% ../nbs/05c_tensor_parallel.ipynb #02fe8d67
+# %% ../nbs/05c_tensor_parallel.ipynb #8f53d1f7
 _LOGS = []  # the logs of the open `count_comm` blocks
 
 @contextmanager
@@ -87,7 +87,7 @@ class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad): return grad, None
 
-# %% ../nbs/05c_tensor_parallel.ipynb #56406ab4
+# %% ../nbs/05c_tensor_parallel.ipynb #038111fa
 class ColumnParallelLinear(nn.Module):
     "Y_r = X A_r + b_r: this rank's slice of the output features; the input enters through f."
     shard_dim = 0
@@ -118,7 +118,7 @@ class RowParallelLinear(nn.Module):
         y = ScatterToSP.apply(y, self.group) if self.sequence_parallel else ReduceFromTP.apply(y, self.group)
         return y if self.bias is None else y + self.bias  # (B, T, out), or (B, T/tp, out)
 
-# %% ../nbs/05c_tensor_parallel.ipynb #89fb6e7d
+# %% ../nbs/05c_tensor_parallel.ipynb #41c4af0c
 class ParallelSelfAttention(nn.Module):
     "Causal self-attention over the heads whose q, k, v columns `c_attn` returns on this rank."
     def __init__(self, c_attn, c_proj, head_dim, dropout=0.0):
@@ -135,7 +135,7 @@ class ParallelSelfAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, local)  # (B, T, C/tp): this rank's heads side by side
         return self.resid_dropout(self.c_proj(y))  # (B, T, C), summed over ranks by c_proj
 
-# %% ../nbs/05c_tensor_parallel.ipynb #a91db6d7
+# %% ../nbs/05c_tensor_parallel.ipynb #3fe4ee61
 def tensor_parallel(model,                    # a GPT, as one process holds it
                     group=None,               # the ranks that share each block; None: all of them
                     sequence_parallel=False): # residual stream split along the sequence (last section)
@@ -166,7 +166,7 @@ def assert_sharded(model, tp):
             assert tuple(layer.weight.shape) == shape, f"{where}: {tuple(layer.weight.shape)}, want {shape}"
         assert not any(type(m) is nn.Linear for m in block.modules()), f"block {i} keeps a whole nn.Linear"
 
-# %% ../nbs/05c_tensor_parallel.ipynb #d9c18bcd
+# %% ../nbs/05c_tensor_parallel.ipynb #0c201d5f
 def gather_full_state(model, grads=False):  # grads=True: the gradients instead of the weights
     "Full-shape weights (or gradients) of a `tensor_parallel` GPT, named as in `GPT.named_parameters`."
     out, seen = {}, set()
@@ -184,7 +184,7 @@ def gather_full_state(model, grads=False):  # grads=True: the gradients instead 
             out[f"{mod_name}.{name}"] = t.clone()
     return out
 
-# %% ../nbs/05c_tensor_parallel.ipynb #d1c0bff7
+# %% ../nbs/05c_tensor_parallel.ipynb #026e37c1
 def tiny_gpt(seed=0, vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=32) -> GPT:
     "A small GPT (dropout 0), the same on every rank for the same seed."
     torch.manual_seed(seed)
@@ -216,7 +216,7 @@ def per_block(log, n_layer) -> dict:
         out[key] = (out.get(key, (0, n))[0] + 1, n)
     return {k: (calls / n_layer, n) for k, (calls, n) in out.items()}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #4eaa64a5
+# %% ../nbs/05c_tensor_parallel.ipynb #25e65daf
 def dtensor_parallel(model, # a GPT, as one process holds it
                      mesh): # a 1-D DeviceMesh over the tensor-parallel ranks
     "This rank's copy of `model` split by DTensor's `parallelize_module`, whole heads per rank."
@@ -245,7 +245,7 @@ def dtensor_full_state(model, grads=False):  # grads=True: the gradients instead
         out[name] = t.clone()
     return out
 
-# %% ../nbs/05c_tensor_parallel.ipynb #24b80a4e
+# %% ../nbs/05c_tensor_parallel.ipynb #68b10924
 def _comm_counts(mode) -> dict:
     "{collective: calls} from a CommDebugMode."
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
@@ -265,7 +265,7 @@ def compare_dtensor(ref, mesh, idx, targets) -> dict:
             "by_hand": per_block(log, n), "forward": {k: v / n for k, v in _comm_counts(fwd).items()},
             "backward": {k: v / n for k, v in _comm_counts(bwd).items()}}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #5384872a
+# %% ../nbs/05c_tensor_parallel.ipynb #ce98333b
 def _all_gather(t, group, direction):  # (B, T/tp, C) -> (B, T, C): every rank's chunk in rank order
     x = t.transpose(0, 1).contiguous()  # the sequence first: gathered chunks join along dim 0
     out = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=t.dtype)
@@ -294,7 +294,7 @@ class ScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad): return _all_gather(grad, ctx.group, "backward"), None
 
-# %% ../nbs/05c_tensor_parallel.ipynb #2a9cde2b
+# %% ../nbs/05c_tensor_parallel.ipynb #f6be8435
 class _SplitToSP(torch.autograd.Function):
     "Keep this rank's chunk of the sequence forward, all-gather backward."
     @staticmethod
@@ -322,7 +322,7 @@ def _sequence_parallel(model, group):
         if ".ln_" in name or name.endswith("c_proj.bias"):
             p.register_hook(lambda grad: _all_reduce(grad.clone(), group, "param_grad"))
 
-# %% ../nbs/05c_tensor_parallel.ipynb #1ae33b3e
+# %% ../nbs/05c_tensor_parallel.ipynb #6c6a0975
 def saved_activation_bytes(model, idx, targets) -> int:
     "Bytes one forward of `model` saves for backward, parameters left out, each storage counted once."
     params, seen = {p.untyped_storage().data_ptr() for p in model.parameters()}, {}
@@ -348,7 +348,7 @@ def compare_sp(ref, group, idx, targets, want_logits, want_grads) -> dict:
                       "tp": saved_activation_bytes(tensor_parallel(ref, group), idx, targets),
                       "tp+sp": saved_activation_bytes(model, idx, targets)}}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #45de8053
+# %% ../nbs/05c_tensor_parallel.ipynb #832d3e55
 def average_grads(model, group):
     "Data parallelism by hand: each gradient all-reduced over `group` and divided by its size."
     for p in model.parameters():
@@ -370,7 +370,7 @@ def train_losses(model, batches, steps, lr=1e-2,
         losses.append(loss.item())
     return losses
 
-# %% ../nbs/05c_tensor_parallel.ipynb #8a660d84
+# %% ../nbs/05c_tensor_parallel.ipynb #121ca34f
 def compare_dp_tp(ref, mesh, batches, steps, lr=1e-2) -> dict:
     "dp x tp from `ref` on a (dp, tp) mesh, each dp rank taking its share of every batch, beside one process."
     dp_group, tp_group = mesh.get_group("dp"), mesh.get_group("tp")
@@ -388,7 +388,7 @@ def compare_dp_tp(ref, mesh, batches, steps, lr=1e-2) -> dict:
             "losses": {"one process": train_losses(copy.deepcopy(ref), batches, steps, lr),
                        "dp x tp": train_losses(tensor_parallel(ref, tp_group), mine, steps, lr, dp_group)}}
 
-# %% ../nbs/05c_tensor_parallel.ipynb #24eaeaf1
+# %% ../nbs/05c_tensor_parallel.ipynb #5ca7eb1b
 def tp_worker(out_dir, tp=None, steps=20, seed=0):  # tp: the TP degree, all processes when None
     "Worker: every check of this lesson (tp = world), or dp x tp, against one process; rank 0 writes tp.json."
     ref, world = tiny_gpt(seed), int(os.environ["WORLD_SIZE"])
