@@ -1,6 +1,7 @@
-"Tensor and sequence parallelism on 2 and 4 real processes (gloo): equal to one process, collectives counted."
+"Tensor parallelism on 2 and 4 real processes (gloo): equal to one process, collectives counted, clipping global."
 import json
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -9,13 +10,13 @@ import torch.nn as nn
 
 from conftest import PY, free_port, run_cli
 from distcourse.model import GPTConfig
-from distcourse.tensor_parallel import (assert_sharded, check_tp, gather_full_state, per_block,
-                                        random_batches, rel_diff, sp_saved_bytes, step_and_count,
-                                        tensor_parallel, tiny_gpt, tp_worker)
-from distcourse.zero import ring_bytes_sent
+from distcourse.tensor_parallel import (assert_sharded, check_tp, clip_tp_grads, count_comm, gather_full_state,
+                                        is_split, random_batches, rel_diff, step_and_count, tensor_parallel,
+                                        tiny_gpt, tp_grad_norm, tp_worker)
 
-EXACT = 1e-5    # logits (absolute) and gradients (relative) vs one process; measured ≤ 4e-7
-LOSS_TOL = 1e-4  # relative, 20 AdamW steps; measured ≤ 2e-7
+EXACT = 1e-5     # logits (absolute) and gradients (relative) vs one process; measured ≤ 4e-7
+NORM = 1e-6      # global gradient norm vs one process's clip_grad_norm_, same weights; measured 0
+LOSS_TOL = 1e-4  # relative, 20 AdamW steps; measured ≤ 2e-7 unclipped, ≤ 1.5e-6 clipped
 DTENSOR = 1e-6   # DTensor vs the by-hand split; measured 0 (the same ops in the same order)
 
 
@@ -34,9 +35,13 @@ def res(request, tmp_path_factory):
     return launch_worker(tmp_path_factory.mktemp(f"tp{request.param}"), request.param)
 
 
-@pytest.fixture(scope="module")
-def dp_tp(tmp_path_factory):
-    return launch_worker(tmp_path_factory.mktemp("dp_tp"), 4, tp=2)
+def per_block(log, n_layer=2) -> dict:
+    "{'collective direction': (calls per block, set of elements per call)} from a `count_comm` log."
+    calls = Counter(f"{name} {d}" for name, d, _ in log)
+    return {k: (c / n_layer, {e for name, d, e in log if f"{name} {d}" == k}) for k, c in calls.items()}
+
+
+def worst(got, want): return max(abs(a - b) / b for a, b in zip(got, want))
 
 
 # ------------------------------------------------------------------ bad inputs, before any process group
@@ -62,8 +67,8 @@ def test_check_tp_names_the_fix():
 
 def test_worker_refuses_before_process_group(tmp_path, monkeypatch):
     "A bad degree raises in the worker before it touches torch.distributed (no rendezvous is even set up)."
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="n_head=4 is not divisible by tp=3"): tp_worker(tmp_path, tp=3)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="n_head=4 is not divisible by tp=3"): tp_worker(tmp_path)
     assert not dist.is_initialized()
 
 
@@ -95,66 +100,67 @@ def test_group_of_one_is_the_model(group_of_one):
     want_grads = {k: p.grad for k, p in ref.named_parameters()}
     assert rel_diff(gather_full_state(model, grads=True), want_grads) < EXACT
     assert len(log) == 8  # 2 blocks x (2 forward + 2 backward), even when nothing crosses a wire
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    assert abs(clip_tp_grads(model, 0.5) - norm) <= NORM * norm and norm > 0.5
+    assert rel_diff(gather_full_state(model, grads=True), want_grads) < EXACT  # both clipped alike
+    assert tp_grad_norm(model) < 0.5 + 1e-5
+
+
+def test_count_comm_has_no_global_state(group_of_one):
+    "A log belongs to the model it was opened on, and only inside its block."
+    a, b = tensor_parallel(tiny_gpt()), tensor_parallel(tiny_gpt())
+    idx, targets = random_batches(a.config)[0]
+    with count_comm(a) as log_a:
+        b(idx, targets)  # another model: not logged here
+        assert log_a == []
+        a(idx, targets)
+    assert len(log_a) == 4  # 2 blocks x 2 forward all-reduces
+    a(idx, targets)  # outside the block: nothing logged
+    assert len(log_a) == 4 and all(m.comm_log is None for m in a.modules() if hasattr(m, "comm_log"))
+
+
+def test_is_split(group_of_one):
+    model = tensor_parallel(tiny_gpt())
+    split = {k for k, _ in model.named_parameters() if is_split(model, k)}
+    assert split == {f"transformer.h.{i}.{n}" for i in range(2) for n in (
+        "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
+        "mlp.c_proj.weight")}  # the row-parallel biases, LayerNorms and embeddings are whole
 
 
 # ------------------------------------------------------------------ 2 and 4 real processes
 def test_equal_to_one_process(res):
-    r = res["by_hand"]
-    assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
-    assert r["weights"] == 0  # sliced from the full weights, gathered back exactly
+    assert res["logits"] <= EXACT and res["grads"] <= EXACT, res
+    assert res["weights"] == 0  # sliced from the full weights, gathered back exactly
 
 
 def test_two_all_reduces_each_way_per_block(res):
-    assert per_block(res["by_hand"]["log"], 2) == {"all_reduce forward": (2, res["bsh"]),
-                                                   "all_reduce backward": (2, res["bsh"])}
+    assert per_block(res["log"]) == {"all_reduce forward": (2, {res["bsh"]}),
+                                     "all_reduce backward": (2, {res["bsh"]})}
+
+
+def test_a_rank_holds_its_share(res):
+    whole = 64 * 32 + 32 * 32 + 2 * 32 + 2 * (4 * 32 + 2 * 32)  # wte, wpe, ln_f; per block 2 LayerNorms, 2 biases
+    assert res["local"] == (28_544 - whole) // res["tp"] + whole  # 9,776 at tp=4
 
 
 def test_dtensor_matches_by_hand(res):
     d = res["dtensor"]
     assert d["logits"] <= DTENSOR and d["grads"] <= DTENSOR, d
     assert d["forward"] == d["backward"] == {"all_reduce": 2}  # per block, as CommDebugMode counts them
-    assert {k: v[0] for k, v in d["by_hand"].items()} == {"all_reduce forward": 2, "all_reduce backward": 2}
-
-
-def test_sequence_parallel(res):
-    s, n, bsh = res["sp"], res["tp"], res["bsh"]
-    assert s["logits"] <= EXACT and s["grads"] <= EXACT, s
-    calls = {}
-    for name, direction, elements in s["log"]:
-        calls[(name, direction)] = calls.get((name, direction), 0) + 1
-        if direction != "param_grad": assert elements == bsh
-    assert calls == {("all_gather", "forward"): 5, ("reduce_scatter", "forward"): 4,  # 2 per block, + lm_head
-                     ("all_gather", "backward"): 5, ("reduce_scatter", "backward"): 4,  # + the embedding
-                     ("all_reduce", "param_grad"): 14}  # LayerNorms and row-parallel biases
-    # Inside the blocks, all-gather + reduce-scatter send what all-reduce sent (2 more gathers: the ends).
-    sp_bytes = {"all_gather": 4 * bsh * (10 - 2), "reduce_scatter": 4 * bsh * 8}
-    tp_bytes = {"all_reduce": 4 * sum(e for _, _, e in res["by_hand"]["log"])}
-    assert ring_bytes_sent(sp_bytes, n) == ring_bytes_sent(tp_bytes, n) > 0
-
-
-def test_sequence_parallel_saves_the_predicted_memory(res):
-    saved, n = res["sp"]["saved"], res["tp"]
-    assert res["sp"]["predicted_saving"] == sp_saved_bytes(CFG, 4, 16, n) > 0
-    assert saved["tp"] - saved["tp+sp"] == res["sp"]["predicted_saving"], saved
-    assert saved["tp+sp"] < saved["tp"] < saved["one process"]
 
 
 def test_twenty_steps(res):
-    ref = res["losses"]["one process"]
+    losses = res["losses"]
+    ref = losses["one process"]
     assert len(ref) == 20 and ref[-1] < ref[0] - 0.3
-    for name in ("tp", "tp+sp"):
-        worst = max(abs(a - b) / b for a, b in zip(res["losses"][name], ref))
-        assert worst <= LOSS_TOL, (name, worst)
+    assert worst(losses["tp"], ref) <= LOSS_TOL
+    assert worst(losses["tp, clipped"], losses["one process, clipped"]) <= LOSS_TOL
+    assert worst(losses["one process, clipped"], ref) > 1e-3  # clipping changed the run
 
 
-def test_data_times_tensor_parallel(dp_tp):
-    r = dp_tp["dp_tp"]
-    assert dp_tp["dp"] == 2 and dp_tp["tp"] == 2
-    assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
-    half = dp_tp["bsh"] // 2  # each TP pair runs half of the batch
-    assert per_block(r["log"], 2) == {"all_reduce forward": (2, half), "all_reduce backward": (2, half)}
-    assert {d for _, d, _ in r["dp_log"]} == {"dp_grad"}
-    assert sum(e for _, _, e in r["dp_log"]) == r["local_params"]  # each local gradient once, over dp
-    losses = r["losses"]
-    worst = max(abs(a - b) / b for a, b in zip(losses["dp x tp"], losses["one process"]))
-    assert worst <= LOSS_TOL and len(losses["dp x tp"]) == 20, worst
+def test_clipping_uses_the_global_norm(res):
+    norms = res["norms"]
+    assert len(norms["tp"]) == len(norms["one process"]) == 20
+    assert worst(norms["tp"][:1], norms["one process"]) <= NORM  # the same weights: the same norm
+    assert worst(norms["tp"], norms["one process"]) <= LOSS_TOL  # 20 steps later the weights differ by rounding
+    assert max(norms["one process"]) > 0.5  # clipping was active
