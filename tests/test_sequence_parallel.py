@@ -1,0 +1,120 @@
+"Sequence parallelism and dp x tp on 2 and 4 real processes (gloo): equal to one process, collectives and memory."
+import json
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import PY, free_port, run_cli
+from distcourse.model import GPTConfig
+from distcourse.sequence_parallel import sequence_parallel, sp_saved_bytes, sp_worker
+from distcourse.tensor_parallel import (count_comm, gather_full_state, random_batches, rel_diff, step_and_count,
+                                        tensor_parallel, tiny_gpt)
+from distcourse.zero import ring_bytes_sent
+
+EXACT = 1e-5    # logits (absolute) and gradients (relative) vs one process; measured ≤ 4e-7
+LOSS_TOL = 1e-4  # relative, 20 AdamW steps; measured ≤ 2e-7
+CFG = GPTConfig(vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=32)
+SP_CALLS = {("all_gather", "forward"): 5, ("reduce_scatter", "forward"): 4,  # 2 per block, + before lm_head
+            ("all_gather", "backward"): 5, ("reduce_scatter", "backward"): 4,  # + after the embedding
+            ("all_reduce", "param_grad"): 14}  # LayerNorms and row-parallel biases
+
+
+def launch_worker(tmp_path, n, **kw):
+    "`sp_worker(tmp_path, **kw)` on `n` processes in a fresh interpreter; what rank 0 wrote."
+    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
+            "from distcourse.sequence_parallel import sp_worker; "
+            f"launch(partial(sp_worker, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes={n})")
+    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "sp.json").read_text())
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
+def res(request, tmp_path_factory):
+    return launch_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param)
+
+
+@pytest.fixture(scope="module")
+def dp_tp(tmp_path_factory):
+    return launch_worker(tmp_path_factory.mktemp("dp_tp"), 4, tp=2)
+
+
+def worst(got, want): return max(abs(a - b) / b for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------ before any process group; a group of one
+def test_worker_refuses_before_process_group(tmp_path, monkeypatch):
+    "A bad degree raises in the worker before it touches torch.distributed (no rendezvous is even set up)."
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="n_head=4 is not divisible by tp=3"): sp_worker(tmp_path, tp=3)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(ValueError, match="tp=4 does not divide the world size 6"): sp_worker(tmp_path, tp=4)
+    assert not dist.is_initialized()
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_group_of_one_is_the_model(group_of_one):
+    ref = tiny_gpt()
+    idx, targets = random_batches(ref.config)[0]
+    want, _, _ = step_and_count(ref, idx, targets)
+    model = sequence_parallel(ref)
+    got, _, log = step_and_count(model, idx, targets)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert rel_diff(gather_full_state(model, grads=True), {k: p.grad for k, p in ref.named_parameters()}) < EXACT
+    assert Counter((name, d) for name, d, _ in log) == SP_CALLS  # counted even when nothing crosses a wire
+    assert model.state_dict().keys() == tensor_parallel(ref).state_dict().keys()  # the hooks add no state
+    with count_comm(tensor_parallel(ref)) as other: model(idx, targets)
+    assert other == []  # another model's log stays empty
+
+
+# ------------------------------------------------------------------ 2 and 4 real processes
+def test_equal_to_one_process(res):
+    s = res["sp"]
+    assert s["logits"] <= EXACT and s["grads"] <= EXACT, s
+
+
+def test_collectives_and_bytes(res):
+    s, n, bsh = res["sp"], res["tp"], res["bsh"]
+    assert Counter((name, d) for name, d, _ in s["log"]) == SP_CALLS
+    assert {e for _, d, e in s["log"] if d != "param_grad"} == {bsh}  # each of B·T·C elements
+    assert Counter((name, d) for name, d, _ in s["tp_log"]) == {("all_reduce", "forward"): 4,
+                                                               ("all_reduce", "backward"): 4}
+    # Inside the blocks, all-gather + reduce-scatter send what all-reduce sent (2 more gathers: the ends).
+    sp_bytes = {"all_gather": 4 * bsh * (10 - 2), "reduce_scatter": 4 * bsh * 8}
+    tp_bytes = {"all_reduce": 4 * sum(e for _, _, e in s["tp_log"])}
+    assert ring_bytes_sent(sp_bytes, n) == ring_bytes_sent(tp_bytes, n) > 0
+
+
+def test_sequence_parallel_saves_the_predicted_memory(res):
+    s, n = res["sp"], res["tp"]
+    saved = s["saved"]
+    assert s["predicted_saving"] == sp_saved_bytes(CFG, 4, 16, n) > 0
+    assert saved["tp"] - saved["tp+sp"] == s["predicted_saving"], saved  # 21,760 B at tp=2, 32,640 at tp=4
+    assert saved["tp+sp"] < saved["tp"] < saved["one process"]
+
+
+def test_twenty_steps(res):
+    ref = res["losses"]["one process"]
+    assert len(ref) == 20 and ref[-1] < ref[0] - 0.3
+    assert worst(res["losses"]["tp+sp"], ref) <= LOSS_TOL
+
+
+def test_data_times_tensor_parallel(dp_tp):
+    r = dp_tp["dp_tp"]
+    assert dp_tp["dp"] == 2 and dp_tp["tp"] == 2
+    assert r["logits"] <= EXACT and r["grads"] <= EXACT, r
+    half = dp_tp["bsh"] // 2  # each TP pair runs half of the batch
+    assert Counter((name, d, e) for name, d, e in r["log"]) == {("all_reduce", "forward", half): 4,
+                                                               ("all_reduce", "backward", half): 4}
+    assert {d for _, d, _ in r["dp_log"]} == {"dp_grad"}
+    assert sum(e for _, _, e in r["dp_log"]) == r["local_params"]  # each local gradient once, over dp
+    losses = r["losses"]
+    assert len(losses["dp x tp"]) == 20 and worst(losses["dp x tp"], losses["one process"]) <= LOSS_TOL
