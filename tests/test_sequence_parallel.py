@@ -11,7 +11,7 @@ from distcourse.model import GPTConfig
 from distcourse.sequence_parallel import sequence_parallel, sp_saved_bytes, sp_worker
 from distcourse.tensor_parallel import (count_comm, gather_full_state, random_batches, rel_diff, step_and_count,
                                         tensor_parallel, tiny_gpt)
-from distcourse.zero import ring_bytes_sent
+from distcourse.comm import ring_bytes_sent
 
 EXACT = 1e-5    # logits (absolute) and gradients (relative) vs one process; measured ≤ 4e-7
 LOSS_TOL = 1e-4  # relative, 20 AdamW steps; measured ≤ 2e-7
