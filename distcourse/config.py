@@ -52,6 +52,7 @@ class Config:
     mixed_precision: str = "auto"  # auto (bf16 where the device computes in bf16 natively, else no), no, bf16, fp16
     compile: str = "auto"        # auto (torch.compile for 300+ steps of a causal LM with DDP: it pays after ~250), true, false
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/

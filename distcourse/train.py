@@ -27,6 +27,7 @@ from .loop import loss_sum, make_scheduler
 from .memory import track_memory
 from .model import build_model, check_compat, num_params
 from .precision import resolve_precision
+from .recompute import activation_bytes, checkpoint_blocks
 from .tracking import Run, push_to_hub, resolve_tracker, resource_stats, start_tracking
 from .zero import check_stage, full_state_dict, prepare_zero
 
@@ -55,7 +56,17 @@ def _setup(cfg, accelerator):
         len(set(train_dl.dataset["labels"])) if cfg.task == "cls" else None)
     model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels)
     check_compat(model, tok, cfg.seq_len)
+    try: checkpoint_blocks(model, cfg.activation_checkpointing)  # before any wrapping (DDP, FSDP2, compile)
+    except ValueError as e: raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing}: {e}") from None
     return tok, train_dl, val_dl, model
+
+def _activation_bytes(accelerator, model, loader, task) -> int:
+    "Bytes one micro-batch's forward keeps for backward on this rank, measured once (no RNG moved, no step)."
+    batch = loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)])
+    model, batch = model.to(accelerator.device), {k: v.to(accelerator.device) for k, v in batch.items()}
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), accelerator.autocast():  # as the training forward runs
+        return activation_bytes(model.train(), batch, task)
 
 # %% ../nbs/09a_train.ipynb #bae73bfd
 def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this run will train
@@ -63,6 +74,7 @@ def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this 
     device = accelerator.device.type
     if cfg.compile != "auto": compiled, why = cfg.compile == "true", "asked for"
     elif cfg.task != "clm" or cfg.zero_stage: compiled, why = False, "auto: only a causal LM under DDP is compiled"
+    elif cfg.activation_checkpointing: compiled, why = False, "auto: not with activation checkpointing"
     else:
         compiled = steps >= COMPILE_MIN_STEPS
         why = f"auto: {steps} steps to train, {'at least' if compiled else 'fewer than'} {COMPILE_MIN_STEPS}"
@@ -79,12 +91,14 @@ def train(config=None, **overrides) -> dict:
     acc = _start(cfg)
     set_seed(cfg.seed)  # the same initial weights on every rank
     tok, train_dl, val_dl, model = _setup(cfg, acc)
+    saved = _activation_bytes(acc, model, train_dl, cfg.task)  # before sharding: every stage saves the same
     model, opt, train_dl, val_dl = prepare_zero(acc, model, cfg.zero_stage, cfg.lr, cfg.weight_decay,
                                                 loaders=(train_dl, val_dl))
     sched = make_scheduler(opt, cfg.warmup_steps, cfg.max_steps)  # stepped by train_step, once per step
     if cfg.zero_stage: acc.register_for_checkpointing(ShardedState(model, opt, cfg.zero_stage))
     acc.register_for_checkpointing(sched)
     memory, stream = track_memory(model, opt), DataStream(train_dl, cfg.seed)  # memory: at the first step
+    memory["activation_bytes"] = saved
     start, tokens, resumed = _resume(acc, cfg, stream)
     chose = choices(cfg, acc, cfg.max_steps - start)
     loss_fn = torch.compile(loss_sum) if chose["compile"]["value"] else loss_sum  # model and loss: one graph
@@ -108,7 +122,7 @@ def train(config=None, **overrides) -> dict:
         if step % cfg.log_every == 0 or step == cfg.max_steps: window, t_log = 0, time.time()  # eval, saves excluded
     after = evaluate_distributed(acc, model, val_dl, cfg.task)
     run.log(step=cfg.max_steps, split="val", **after)
-    extra = {"zero_stage": cfg.zero_stage, "memory": memory, "resumed_from": resumed, "choices": chose,
+    extra = {"zero_stage": cfg.zero_stage, "parallel": {"dp": acc.num_processes, "tp": 1}, "memory": memory, "resumed_from": resumed, "choices": chose,
              "threads_per_process": chose["threads"]["threads_per_process"]}
     return _finish(acc, cfg, run, model, tok, before, after, len(val_dl.dataset), extra)
 

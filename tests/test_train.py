@@ -34,6 +34,8 @@ def test_outputs(runs):
                 "config", "wall_time_s", "final"):
         assert key in run, key
     assert run["world_size"] == 1 and run["config"]["model"] == "tiny"
+    assert run["parallel"] == {"dp": 1, "tp": 1}
+    assert run["memory"]["activation_bytes"] > 0 and run["memory"]["grads_bytes"] > 0
     recs = records(out)
     train = [r for r in recs if "split" not in r]
     assert [r["step"] for r in train] == list(range(1, 13))
@@ -63,6 +65,19 @@ def test_two_processes_are_real_and_equal(runs):
     assert len(l1) == len(l2) == 12
     worst = max(abs(a - b) / abs(a) for a, b in zip(l1, l2))
     assert worst <= 1e-5, worst
+
+
+def test_activation_checkpointing_same_losses_less_memory(runs, tmp_path):
+    "--activation_checkpointing true: the same losses as the plain run, fewer bytes saved for backward."
+    out = tmp_path / "ckpt"
+    proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--activation_checkpointing", "true",
+                    "--save_every", "0", "--output_dir", str(out)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, ckpt = (json.loads((d / "run.json").read_text()) for d in (runs["one"][0], out))
+    assert ckpt["config"]["activation_checkpointing"] is True
+    assert ckpt["memory"]["activation_bytes"] < plain["memory"]["activation_bytes"]
+    l1, l2 = ([r["loss"] for r in records(d) if "split" not in r] for d in (runs["one"][0], out))
+    assert len(l1) == len(l2) == 12 and max(abs(a - b) / abs(a) for a, b in zip(l1, l2)) <= 1e-6
 
 
 def resume_copy(out, copy, *argv):
