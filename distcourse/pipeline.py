@@ -88,7 +88,7 @@ def pipeline_stage(model, rank, pp) -> GPTStage:
     "The stage that `rank` runs: pipelines are `pp` consecutive ranks, so stage = rank mod pp."
     return GPTStage(model, rank % pp, pp)
 
-# %% ../nbs/05d_pipeline.ipynb #5e12cd26
+# %% ../nbs/05d_pipeline.ipynb #d2775a24
 def schedule_actions(schedule, # "gpipe" or "1f1b"
                      stage,    # this stage, 0 .. pp - 1
                      pp,       # stages
@@ -108,7 +108,7 @@ def peak_in_flight(actions) -> int:
         peak = max(peak, held)
     return peak
 
-# %% ../nbs/05d_pipeline.ipynb #f32e83a8
+# %% ../nbs/05d_pipeline.ipynb #4b522f0c
 def replay(schedule, pp, m, t_f=1.0, t_b=2.0) -> list:
     "The timeline of `schedule` when each forward takes `t_f`, each backward `t_b`, and messages take no time."
     todo = [schedule_actions(schedule, s, pp, m) for s in range(pp)]
@@ -133,9 +133,9 @@ def bubble_fraction(events, pp) -> float:
     span = max(e["end"] for e in events) - min(e["start"] for e in events)
     return 1 - sum(e["end"] - e["start"] for e in events) / (pp * span)
 
-# %% ../nbs/05d_pipeline.ipynb #2cd2fdaa
+# %% ../nbs/05d_pipeline.ipynb #e012f7e8
 def plot_timeline(events, pp, ax=None, title=""):
-    "The classic pipeline picture: one row per stage, forwards light, backwards dark, micro-batch numbers inside."
+    "The classic pipeline picture: a row per stage, forwards blue, backwards orange, micro-batch numbers inside."
     ax = ax or plt.subplots(figsize=(8, 0.5 * pp + 1))[1]
     t0 = min(e["start"] for e in events)
     for e in events:
@@ -147,7 +147,7 @@ def plot_timeline(events, pp, ax=None, title=""):
     ax.invert_yaxis()  # stage 0 on top, as in the papers
     return ax
 
-# %% ../nbs/05d_pipeline.ipynb #818b466a
+# %% ../nbs/05d_pipeline.ipynb #aa691009
 def split_micro_batches(x, y, micro_batches) -> list:
     "[(x_i, y_i)]: the batch (B, T) cut along B into `micro_batches` equal pieces."
     if x.shape[0] % micro_batches:
@@ -161,7 +161,7 @@ def token_loss(logits,    # (b, T, V), one micro-batch's
     "This micro-batch's share of the batch's mean cross-entropy: its summed loss over the batch's token count."
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / n_tokens
 
-# %% ../nbs/05d_pipeline.ipynb #98745016
+# %% ../nbs/05d_pipeline.ipynb #b2c1ab52
 def pp_groups(pp) -> SimpleNamespace:
     "This rank's process groups: pipe (its pipeline), embed (first + last stage), dp (its stage in every pipeline)."
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -183,7 +183,7 @@ def sync_tied(stage, groups):
     weight = stage.transformer.wte.weight if stage.is_first else stage.lm_head.weight
     dist.all_reduce(weight.grad, group=groups.embed)  # both copies now hold the whole gradient
 
-# %% ../nbs/05d_pipeline.ipynb #99f5d77d
+# %% ../nbs/05d_pipeline.ipynb #48de5d5b
 def pipeline_step(stage,         # this rank's GPTStage
                   micro_batches, # [(x_i, y_i)], every rank the same (the first uses x, the last y)
                   schedule,      # "gpipe" or "1f1b"
@@ -221,7 +221,7 @@ def pipeline_step(stage,         # this rank's GPTStage
     dist.broadcast(loss, groups.ranks[-1], group=groups.pipe)  # every stage reports the batch's loss
     return loss, timeline
 
-# %% ../nbs/05d_pipeline.ipynb #da195fdf
+# %% ../nbs/05d_pipeline.ipynb #2b194b6c
 def torch_pipeline_step(stage, x, y, # this rank's GPTStage; the whole batch (B, T), ids and targets
                         micro_batches, schedule, groups):
     "The same step with `torch.distributed.pipelining` (`PipelineStage` + `ScheduleGPipe`/`Schedule1F1B`); the loss."
@@ -239,7 +239,7 @@ def torch_pipeline_step(stage, x, y, # this rank's GPTStage; the whole batch (B,
     dist.broadcast(loss, groups.ranks[-1], group=groups.pipe)
     return loss
 
-# %% ../nbs/05d_pipeline.ipynb #5a131314
+# %% ../nbs/05d_pipeline.ipynb #efa66a7f
 def _gather(obj) -> list:
     "Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -267,7 +267,7 @@ def _vs_hand(res):
             if hand: out["vs_hand"] = max((g - hand["grads"][n]).abs().max().item() for n, g in out["grads"].items())
         for out in (o for api in per_m.values() for o in api.values()): out.pop("grads")
 
-# %% ../nbs/05d_pipeline.ipynb #16070503
+# %% ../nbs/05d_pipeline.ipynb #8f9c455a
 def pp_worker(out_dir, pp, micro_batches=(4, 8), schedules=SCHEDULES, apis=("hand", "torch"),
               config=None,   # GPTConfig fields; a 4-block tiny model when None
               batch_size=8, seq_len=16, seed=0,
