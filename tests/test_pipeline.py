@@ -1,4 +1,4 @@
-"Pipeline parallelism on 2 and 4 real processes (gloo): equal to one process, the schedules' order, bubble, errors."
+"Pipeline parallelism on 2 and 4 real processes (gloo): equal to one process, schedule order, bubble, errors."
 import json
 import re
 
@@ -8,18 +8,19 @@ import torch.distributed as dist
 
 from conftest import PY, run_cli
 from distcourse.model import GPT, GPTConfig
-from distcourse.pipeline import (SCHEDULES, GPTStage, bubble_fraction, check_pp, peak_in_flight, pipeline_stage,
-                                 pp_worker, replay, schedule_actions, split_micro_batches)
+from distcourse.pipeline import (SCHEDULES, GPTStage, bubble_fraction, check_pp, peak_in_flight,
+                                 pipeline_stage, pp_worker, replay, schedule_actions, split_micro_batches)
 
-TOL = 1e-6  # fp32; measured ≤ 2.2e-8 against one process (sums in another order), 0 between PyTorch's and ours
+TOL = 1e-6  # fp32; measured ≤ 2.2e-8 against one process (sums in another order); PyTorch's vs ours: 0
 TINY = dict(vocab_size=64, n_positions=32, n_layer=4, n_head=4, n_embd=32)
 
 
 def launch_worker(tmp_path, num_processes, **kw):
-    "Run `pp_worker(tmp_path, **kw)` on `num_processes` processes in a fresh interpreter, with a timeout; its json."
+    "`pp_worker(tmp_path, **kw)` on `num_processes` processes, a fresh interpreter and a timeout; its json."
     code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
             "from distcourse.pipeline import pp_worker; "
-            f"launch(partial(pp_worker, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes={num_processes})")
+            "launch(partial(pp_worker, **json.loads(sys.argv[2])), (sys.argv[1],), "
+            f"num_processes={num_processes})")
     proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)], timeout=240)  # a hang fails, not stalls
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((tmp_path / f"pp{kw['pp']}.json").read_text())
@@ -28,7 +29,8 @@ def launch_worker(tmp_path, num_processes, **kw):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     "Both schedules, by hand and with torch.distributed.pipelining, m = 4 and 8, on 2 and on 4 stages."
-    return {p: launch_worker(tmp_path_factory.mktemp(f"pp{p}"), p, pp=p, micro_batches=[4, 8]) for p in (2, 4)}
+    return {p: launch_worker(tmp_path_factory.mktemp(f"pp{p}"), p, pp=p, micro_batches=[4, 8])
+            for p in (2, 4)}
 
 
 def settings(res):
@@ -58,18 +60,19 @@ def test_torch_pipelining_equals_by_hand(runs, p):
 def test_activations_in_flight(runs, p):
     "Counted during the step: GPipe holds m micro-batches on every stage, 1F1B p - stage."
     for m, api, schedule, out in settings(runs[p]):
-        if api == "hand": assert out["peak"] == ([m] * p if schedule == "gpipe" else [p - s for s in range(p)])
+        if api == "hand":
+            assert out["peak"] == ([m] * p if schedule == "gpipe" else [p - s for s in range(p)])
 
 
 @pytest.mark.parametrize("p", [2, 4])
 def test_timeline(runs, p):
-    "Each stage ran its schedule's order; across processes a forward starts after the stage before finished it."
+    "Each stage ran its schedule's order; across processes a forward starts after the one before it ended."
     for m, api, schedule, out in settings(runs[p]):
         if api != "hand": continue
         ev = out["timeline"]
         for s in range(p):
             mine = sorted((e for e in ev if e["stage"] == s), key=lambda e: e["start"])
-            assert [(e["kind"], e["mb"]) for e in mine] == [tuple(a) for a in schedule_actions(schedule, s, p, m)]
+            assert [(e["kind"], e["mb"]) for e in mine] == schedule_actions(schedule, s, p, m)
             assert all(a["end"] <= b["start"] for a, b in zip(mine, mine[1:]))  # one piece of work at a time
         at = {(e["stage"], e["kind"], e["mb"]): e for e in ev}
         for s in range(p - 1):
@@ -91,7 +94,8 @@ def test_two_pipelines(tmp_path):
 def test_replay_bubble(p, m):
     for schedule in SCHEDULES:
         for t_f, t_b in ((1.0, 2.0), (1.0, 1.0), (0.5, 3.0)):
-            assert bubble_fraction(replay(schedule, p, m, t_f, t_b), p) == pytest.approx((p - 1) / (m + p - 1))
+            got = bubble_fraction(replay(schedule, p, m, t_f, t_b), p)
+            assert got == pytest.approx((p - 1) / (m + p - 1))
     for s in range(p):
         assert peak_in_flight(schedule_actions("gpipe", s, p, m)) == m
         assert peak_in_flight(schedule_actions("1f1b", s, p, m)) == min(p - s, m)
@@ -107,7 +111,8 @@ def test_stages_compose():
         for st in stages: x = st(x)
         assert torch.equal(x, gpt(idx)[0])
     assert [list(st.layers) for st in stages] == [[0], [1], [2], [3]]
-    assert {n for st in stages for n, _ in st.named_parameters()} == {*dict(gpt.named_parameters()), "lm_head.weight"}
+    names = {n for st in stages for n, _ in st.named_parameters()}
+    assert names == {*dict(gpt.named_parameters()), "lm_head.weight"}
     assert stages[-1].lm_head.weight is not stages[0].transformer.wte.weight  # a copy on another stage
     one = GPTStage(gpt, 0, 1)
     assert one.lm_head.weight is one.transformer.wte.weight  # one stage: tied as in GPT
