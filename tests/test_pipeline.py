@@ -1,0 +1,153 @@
+"Pipeline parallelism on 2 and 4 real processes (gloo): equal to one process, schedule order, bubble, errors."
+import json
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import PY, run_cli
+from distcourse.model import GPT, GPTConfig
+from distcourse.pipeline import (SCHEDULES, GPTStage, bubble_fraction, check_pp, peak_in_flight,
+                                 pipeline_stage, pp_worker, replay, schedule_actions, split_micro_batches)
+
+TOL = 1e-6  # fp32; measured ≤ 2.2e-8 against one process (sums in another order); PyTorch's vs ours: 0
+TINY = dict(vocab_size=64, n_positions=32, n_layer=4, n_head=4, n_embd=32)
+
+
+def launch_worker(tmp_path, num_processes, **kw):
+    "`pp_worker(tmp_path, **kw)` on `num_processes` processes, a fresh interpreter and a timeout; its json."
+    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
+            "from distcourse.pipeline import pp_worker; "
+            "launch(partial(pp_worker, **json.loads(sys.argv[2])), (sys.argv[1],), "
+            f"num_processes={num_processes})")
+    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)], timeout=240)  # a hang fails, not stalls
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / f"pp{kw['pp']}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    "Both schedules, by hand and with torch.distributed.pipelining, m = 4 and 8, on 2 and on 4 stages."
+    return {p: launch_worker(tmp_path_factory.mktemp(f"pp{p}"), p, pp=p, micro_batches=[4, 8])
+            for p in (2, 4)}
+
+
+def settings(res):
+    for m in (4, 8):
+        for api, per_schedule in res[str(m)].items():
+            for schedule, out in per_schedule.items(): yield m, api, schedule, out
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_equal_to_one_process(runs, p):
+    seen = set()
+    for m, api, schedule, out in settings(runs[p]):
+        assert abs(out["loss"] - runs[p]["ref_loss"]) <= TOL, (m, api, schedule, out["loss"])
+        assert out["grad_diff"] <= TOL, (m, api, schedule, out["grad_diff"])
+        assert out["missing"] == [], out["missing"]  # every parameter of the model was compared
+        seen.add((m, api, schedule))
+    assert len(seen) == 8
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_torch_pipelining_equals_by_hand(runs, p):
+    for m, api, schedule, out in settings(runs[p]):
+        if api == "torch": assert out["vs_hand"] <= TOL, (m, schedule, out["vs_hand"])
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_activations_in_flight(runs, p):
+    "Counted during the step: GPipe holds m micro-batches on every stage, 1F1B p - stage."
+    for m, api, schedule, out in settings(runs[p]):
+        if api == "hand":
+            assert out["peak"] == ([m] * p if schedule == "gpipe" else [p - s for s in range(p)])
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_timeline(runs, p):
+    "Each stage ran its schedule's order; across processes a forward starts after the one before it ended."
+    for m, api, schedule, out in settings(runs[p]):
+        if api != "hand": continue
+        ev = out["timeline"]
+        for s in range(p):
+            mine = sorted((e for e in ev if e["stage"] == s), key=lambda e: e["start"])
+            assert [(e["kind"], e["mb"]) for e in mine] == schedule_actions(schedule, s, p, m)
+            assert all(a["end"] <= b["start"] for a, b in zip(mine, mine[1:]))  # one piece of work at a time
+        at = {(e["stage"], e["kind"], e["mb"]): e for e in ev}
+        for s in range(p - 1):
+            for i in range(m):  # perf_counter is one clock for all processes of the machine
+                assert at[(s, "F", i)]["end"] <= at[(s + 1, "F", i)]["start"]
+                assert at[(s + 1, "B", i)]["end"] <= at[(s, "B", i)]["start"]
+        assert out["bubble"] >= (p - 1) / (m + p - 1) - 0.02, (m, schedule, out["bubble"])
+
+
+def test_two_pipelines(tmp_path):
+    "4 processes, pp=2: two pipelines side by side, each equal to one process."
+    res = launch_worker(tmp_path, 4, pp=2, micro_batches=[4])
+    assert res["world_size"] == 4
+    for m, api, schedule, out in settings({**res, "8": {}}):
+        assert out["grad_diff"] <= TOL and out["missing"] == [], (api, schedule)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4), (8, 32), (3, 5)])
+def test_replay_bubble(p, m):
+    for schedule in SCHEDULES:
+        for t_f, t_b in ((1.0, 2.0), (1.0, 1.0), (0.5, 3.0)):
+            got = bubble_fraction(replay(schedule, p, m, t_f, t_b), p)
+            assert got == pytest.approx((p - 1) / (m + p - 1))
+    for s in range(p):
+        assert peak_in_flight(schedule_actions("gpipe", s, p, m)) == m
+        assert peak_in_flight(schedule_actions("1f1b", s, p, m)) == min(p - s, m)
+
+
+def test_stages_compose():
+    "In one process the stages, called in turn, are the model; names are GPT-2's."
+    torch.manual_seed(0)
+    gpt, idx = GPT(GPTConfig(**TINY)), torch.randint(0, 64, (2, 8))
+    stages = [pipeline_stage(gpt, r, 4) for r in range(4)]
+    x = idx
+    with torch.no_grad():
+        for st in stages: x = st(x)
+        assert torch.equal(x, gpt(idx)[0])
+    assert [list(st.layers) for st in stages] == [[0], [1], [2], [3]]
+    names = {n for st in stages for n, _ in st.named_parameters()}
+    assert names == {*dict(gpt.named_parameters()), "lm_head.weight"}
+    assert stages[-1].lm_head.weight is not stages[0].transformer.wte.weight  # a copy on another stage
+    one = GPTStage(gpt, 0, 1)
+    assert one.lm_head.weight is one.transformer.wte.weight  # one stage: tied as in GPT
+
+
+@pytest.mark.parametrize("args, message", [
+    ((4, 3), "n_layer=4 does not divide into pp=3"),
+    ((2, 4), "n_layer=2 is fewer than pp=4"),
+    ((4, 4, 2, "1f1b"), "micro_batches=2 < pp=4"),
+    ((4, 2, 3, "gpipe", None, 8), "batch_size=8 does not divide into micro_batches=3"),
+    ((4, 2, 4, "1f1b", 3), "pp=2 does not divide the world size 3"),
+    ((4, 2, 4, "interleaved"), "choose 'gpipe' or '1f1b'"),
+])
+def test_check_pp(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)): check_pp(*args)
+
+
+def test_check_pp_accepts():
+    check_pp(4, 2, 4, "1f1b", 4, 8)
+    check_pp(4, 4, 2, "gpipe", 4, 8)  # GPipe runs with fewer micro-batches than stages
+
+
+@pytest.mark.parametrize("env, kw, message", [
+    ("3", dict(pp=2), "does not divide the world size 3"),
+    ("4", dict(pp=4, micro_batches=[2]), "micro_batches=2 < pp=4"),
+    ("2", dict(pp=2, micro_batches=[3]), "batch_size=8 does not divide"),
+    ("3", dict(pp=3), "n_layer=4 does not divide into pp=3")])
+def test_worker_refuses_before_process_group(tmp_path, monkeypatch, env, kw, message):
+    monkeypatch.setenv("WORLD_SIZE", env)
+    with pytest.raises(ValueError, match=re.escape(message)): pp_worker(tmp_path, **kw)
+    assert not dist.is_initialized()
+
+
+def test_other_errors():
+    gpt = GPT(GPTConfig(**TINY))
+    with pytest.raises(ValueError, match="choose a stage in 0..1"): GPTStage(gpt, 2, 2)
+    with pytest.raises(ValueError, match="batch_size=6 does not divide"):
+        split_micro_batches(torch.zeros(6, 4), torch.zeros(6, 4), 4)
