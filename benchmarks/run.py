@@ -164,7 +164,8 @@ def table(res) -> str:
     pw = res["padding_waste"]
     lines += [f"| `padding_waste` fixed / dynamic / packing | {pw['fixed']:.1%} / {pw['dynamic']:.1%} / {pw['packing']:.1%} | | |",
               f"| `data_tokens_per_s` (tokenize + pack) | {res['data_tokens_per_s']:,.0f} | | |",
-              f"| `mfu` (distcourse) | {res['mfu']:.1%} of a measured {res['peak_flops'] / 1e9:,.1f} GFLOP/s | | |",
+              f"| `mfu` (distcourse) | {res['mfu']:.1%} of the measured matmul rate, {res['peak_flops'] / 1e9:,.1f} GFLOP/s "
+              "(a measured peak, not the hardware's datasheet peak) | | |",
               "", "| contender | tokens/s (median) | IQR | MFU |", "|---|---|---|---|"]
     for k, v in res["tokens_per_s"].items():
         lo, hi = res["tokens_per_s_iqr"][k]
