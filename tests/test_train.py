@@ -237,3 +237,18 @@ def test_push_failure_loses_nothing(tmp_path):
     assert "push_error" in run and "pushed_to" not in run
     assert AutoModelForCausalLM.from_pretrained(out / "model").num_parameters() == run["num_parameters"]
     assert not (out / "distcourse").exists()  # --tracker none: metrics.jsonl only
+
+
+@pytest.mark.parametrize("name", ["zero2.yaml", "zero3_offload.yaml"])
+def test_deepspeed_configs_refuse_accumulation(name):
+    "Accelerate's DeepSpeed plugin steps at every backward: --grad_accum > 1 is refused with these configs."
+    import yaml
+    from types import SimpleNamespace
+    from accelerate.utils import DistributedType
+    from distcourse.config import ConfigError
+    from distcourse.train import check_deepspeed
+    ds_config = yaml.safe_load((ROOT / "configs/accelerate" / name).read_text())["deepspeed_config"]
+    acc = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                          state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=ds_config)))
+    with pytest.raises(ConfigError, match="--grad_accum 2 under DeepSpeed"): check_deepspeed(acc, 2)
+    check_deepspeed(acc, 1)  # no accumulation: allowed
