@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate.scheduler import AcceleratedScheduler
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -70,6 +71,13 @@ def grads_ddp(out_dir, task="clm", batch_size=8,
     dist.barrier(); dist.destroy_process_group()
 
 # %% ../nbs/03_ddp.ipynb #4b1c34b8
+def _sync_only_if(last, accelerator, model):
+    "A context for one micro-batch's backward: DDP's `no_sync` unless `last`; FSDP2 (ZeRO lesson) is told directly."
+    if isinstance(model, FSDPModule):  # FSDP2 has no no_sync: it would reduce-scatter after every micro-batch
+        model.set_requires_gradient_sync(last)
+        return nullcontext()
+    return nullcontext() if last else accelerator.no_sync(model)
+
 def train_step(accelerator, model, optimizer, scheduler,  # prepared by `accelerator` (the scheduler may be left out)
                micro_batches,   # this process's micro-batches of one optimizer step
                task, max_grad_norm=1.0,
@@ -81,7 +89,7 @@ def train_step(accelerator, model, optimizer, scheduler,  # prepared by `acceler
     total = torch.zeros((), device=accelerator.device)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
-        with nullcontext() if last else accelerator.no_sync(model):  # all-reduce once, after the last backward
+        with _sync_only_if(last, accelerator, model):  # gradients cross the wire once, after the last backward
             s, _ = loss_fn(model, batch, task)
             accelerator.backward(s * scale)
         total += s.detach().float()

@@ -130,10 +130,13 @@ def test_traffic(measured):
     assert close(sent[3] / sent[0], 1.5, 0.001)
 
 
-def test_accumulation(tmp_path):
-    "With 2 micro-batches per step (FSDP2 has no no_sync: it reduce-scatters each), stage 3 still matches DDP."
-    res = launch_worker(tmp_path, stages=[0, 3], steps=3, grad_accum=2)
-    assert max(abs(a - b) for a, b in zip(res[3]["losses"], res[0]["losses"])) <= LOSS_TOL
+def test_accumulation(tmp_path, measured):
+    "2 micro-batches per step: stages 2-3 match DDP, and gradients cross the wire once per optimizer step."
+    res = launch_worker(tmp_path, stages=[0, 2, 3], steps=3, grad_accum=2)
+    for stage in (2, 3): assert max(abs(a - b) for a, b in zip(res[stage]["losses"], res[0]["losses"])) <= LOSS_TOL
+    def reduced(comm): return sum(b for k, b in comm.items() if k.startswith(("reduce_scatter", "all_reduce")))
+    for stage in (0, 2, 3):  # DDP's no_sync; FSDP2's set_requires_gradient_sync(False) before the last micro-batch
+        assert reduced(res[stage]["comm"]) == reduced(measured[stage]["comm"]), stage
 
 
 def test_bf16(tmp_path):
