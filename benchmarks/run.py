@@ -29,6 +29,7 @@ for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"): os.e
 import accelerate, datasets, tokenizers, torch, transformers  # noqa: E402
 
 import distcourse  # noqa: E402
+from distcourse.comm import TIMED, measure_collectives  # noqa: E402
 from distcourse.launch import make_accelerator  # noqa: E402
 from distcourse.model import flops_per_token, num_params  # noqa: E402
 
@@ -184,6 +185,12 @@ def table(res) -> str:
         lines += ["", f"`main_job_vs_best_path` {res['main_job_vs_best_path']:.3f}; `defaults_vs_hf_trainer_defaults` "
                       f"{res['defaults_vs_hf_trainer_defaults']:.2f} (tokens/s; target 2); `matched_vs_hf_trainer` "
                       f"(bf16 + compile on both) {res['matched_vs_hf_trainer']:.3f} (target 0.97)"]
+    if res.get("comm"):
+        lines += ["", "| collective | world | latency, smallest (µs) | bus bandwidth, largest (GB/s) |", "|---|---|---|---|"]
+        for n, rows in res["comm"].items():
+            for c in TIMED:
+                mine = [r for r in rows if r["collective"] == c]
+                lines.append(f"| {c} | {n} | {mine[0]['seconds'] * 1e6:,.0f} | {mine[-1]['busbw'] / 1e9:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -198,6 +205,7 @@ def parse(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile every contender's model")
     p.add_argument("--no_ddp", action="store_true", help="skip the 1- vs 2-process measurement")
     p.add_argument("--no_hf", action="store_true", help="skip transformers.Trainer")
+    p.add_argument("--no_comm", action="store_true", help="skip the collectives (latency, bus bandwidth)")
     p.add_argument("--paths", action="store_true", help="also fp32/bf16 x eager/compile and the main job itself "
                    "(at the main job's batch, 16 x 128; ~5 min on 2 cores)")
     p.add_argument("--out", default=str(HERE), help="directory for results.json and results.md")
@@ -232,6 +240,12 @@ def main(argv=None):
     res["ddp"] = None if args.no_ddp else bench_ddp.summarize(bench_ddp.ddp_turns(b_ddp, cores()), b_ddp, cores())
     res["ddp2_efficiency"] = res["ddp"]["ddp2_efficiency"] if res["ddp"] else None
     sections["ddp"], t = time.time() - t, time.time()
+    if not args.no_comm:  # the collectives lesson's measurement: latency and bus bandwidth by message size
+        worlds, max_mib = ((2,), 1) if mode == "smoke" else ((2, 4), 4 if mode == "quick" else 16)
+        res["comm"] = measure_collectives(worlds, max_mib, repeats=2 if mode == "smoke" else 5)
+        res["comm_busbw_largest"] = {f"{c}/{n}": [r for r in rows if r["collective"] == c][-1]["busbw"]
+                                     for n, rows in res["comm"].items() for c in TIMED}
+    sections["comm"], t = time.time() - t, time.time()
     with tempfile.TemporaryDirectory() as tmp:
         res |= summarize(contenders(b, matmul_n, not args.no_hf, tmp), b, model)
     sections["contenders"] = time.time() - t

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from conftest import PY, ROOT, run_cli
+from distcourse.comm import TIMED
 
 RUN = [PY, str(ROOT / "benchmarks" / "run.py"), "--smoke"]
 CONTENDERS = {"torch", "distcourse", "hf_trainer"}
@@ -35,6 +36,8 @@ def test_results_have_every_field(smoke):
     assert isinstance(res["device"], str) and res["device"].startswith(("cpu", "cuda"))
     assert {"torch", "transformers", "accelerate", "datasets", "distcourse"} <= set(res["versions"])
     assert res["threads"]["torch"] >= 1 and res["config"]["model"] == "tiny"
+    rows = res["comm"]["2"]  # the collectives lesson's measurement, 2 gloo processes
+    assert {r["collective"] for r in rows} == set(TIMED) and all(r["seconds"] > 0 and r["busbw"] > 0 for r in rows)
 
 
 def test_padding_and_data_fields(smoke):
