@@ -133,7 +133,7 @@ def validate(cfg: Config) -> Config:
     try: resolve_tracker(cfg.tracker)
     except ValueError as e: raise ConfigError(str(e)) from None
     need(not cfg.push_to_hub or not hub_offline(), f"--push_to_hub {cfg.push_to_hub}: the Hub is offline "
-         "(HF_HUB_OFFLINE=1); train without it and push model/ later with distcourse.generate.push_to_hub")
+         "(HF_HUB_OFFLINE=1); train without it and push model/ later with distcourse.outputs.push_to_hub")
     need(not cfg.push_to_hub or os.getenv("HF_TOKEN"), f"--push_to_hub {cfg.push_to_hub}: no HF_TOKEN in the "
          "environment; export HF_TOKEN=<a write token> (it is read from there only, never from a flag or file)")
     n_pos = _positions(cfg.model)

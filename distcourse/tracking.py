@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['TRACKERS', 'tracker_available', 'resolve_tracker', 'flat_config', 'start_tracking', 'tracker_values', 'log_metrics',
-           'resource_stats', 'read_metrics', 'plot_run', 'Run', 'push_to_hub', 'main']
+           'resource_stats', 'read_metrics', 'plot_run', 'main']
 
 # %% ../nbs/08_tracking.ipynb #e292891d
 import argparse
@@ -13,14 +13,12 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import psutil
 import torch
 
-from .data import hub_offline
 
 # %% ../nbs/08_tracking.ipynb #cc9cf426
 TRACKERS = ("auto", "tensorboard", "wandb", "none")  # the choices of the trainer's --tracker
@@ -150,59 +148,6 @@ def plot_run(*output_dirs, # one or more run directories, each with a metrics.js
     if path is not None: fig.savefig(path, dpi=100)
     return fig
 
-# %% ../nbs/08_tracking.ipynb #e0d648a3
-class Run:
-    "Files of one run, written by the main process only."
-    def __init__(self, accelerator, cfg,
-                 start=0):  # the step the run starts after: records of later steps (a crashed run's) are dropped
-        self.acc, self.out, self.t0 = accelerator, Path(cfg.output_dir), time.time()
-        if self.acc.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            kept = [r for r in self.records() if r["step"] <= start] if start else []
-            (self.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-    def log(self, **record):
-        "One record into metrics.jsonl (always) and to the trackers (TensorBoard, wandb), if any."
-        if self.acc.is_main_process:
-            with open(self.out / "metrics.jsonl", "a") as f: f.write(json.dumps(record) + "\n")
-        log_metrics(self.acc, record)
-
-    def records(self) -> list:
-        "What metrics.jsonl holds so far (main process; [] elsewhere)."
-        if not self.acc.is_main_process or not (self.out / "metrics.jsonl").exists(): return []
-        return [json.loads(l) for l in open(self.out / "metrics.jsonl") if l.strip()]
-
-    def write_json(self, name, obj):
-        if self.acc.is_main_process: (self.out / name).write_text(json.dumps(obj, indent=2) + "\n")
-
-    def plot(self):
-        "The tracking lesson's `plot_run` of this run (loss, validation metric, lr, tokens/s), as metrics.png."
-        if not self.acc.is_main_process: return None
-        plot_run(self.out, path=self.out / "metrics.png")
-        return self.out / "metrics.png"
-
-# %% ../nbs/08_tracking.ipynb #2d29610d
-def push_to_hub(model_dir,     # a saved model: a run's model/ (config.json, weights, tokenizer)
-                repo_id,       # "user/name" or "org/name" on the Hub
-                private=True): # a new repository is private unless this is False
-    "Upload `model_dir` to the Hub repo `repo_id` with the token in $HF_TOKEN; return the repo's URL."
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").is_file():
-        raise ValueError(f"{model_dir} is not a saved model (no config.json); pass a run's model/ directory")
-    keep = f"nothing was uploaded; the model stays in {model_dir}"
-    if hub_offline(): raise ValueError(f"cannot push to {repo_id}: the Hub is offline (HF_HUB_OFFLINE=1); {keep}")
-    if not os.environ.get("HF_TOKEN"):
-        raise ValueError(f"cannot push to {repo_id}: set HF_TOKEN in the environment to a token with write access; {keep}")
-    from huggingface_hub import HfApi
-    api = HfApi(token=os.environ["HF_TOKEN"])
-    try:
-        url = api.create_repo(repo_id, private=private, exist_ok=True)
-        api.upload_folder(folder_path=str(model_dir), repo_id=repo_id, commit_message="Upload from distcourse")
-    except Exception as e:  # network, authentication, permissions: the Hub client raises many kinds
-        raise RuntimeError(f"pushing {model_dir} to {repo_id} failed ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}); the model stays in {model_dir}") from None
-    return str(url)
-
 # %% ../nbs/08_tracking.ipynb #0cc3d099
 class _Parser(argparse.ArgumentParser):
     def error(self, message): raise ValueError(message)  # one line, not a usage dump
@@ -220,5 +165,4 @@ def main(argv=None):
         print(f"distcourse.tracking: error: {' '.join(str(e).split())}", file=sys.stderr); sys.exit(2)
     print(f"wrote {out}")
 
-# %% ../nbs/08_tracking.ipynb #fd9766f5
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook

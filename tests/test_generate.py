@@ -106,7 +106,7 @@ def digest(d) -> dict:
 
 
 def test_push_refused_offline_or_without_token(run, monkeypatch):
-    from distcourse.tracking import push_to_hub
+    from distcourse.outputs import push_to_hub
     before = digest(run / "model")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_TOKEN", "hf_not_a_real_token")
@@ -123,7 +123,7 @@ def test_push_refused_offline_or_without_token(run, monkeypatch):
 def test_push_that_fails_keeps_files(run):
     "Online, with a token, against an endpoint that refuses connections: a clear error, the files untouched."
     before = digest(run / "model")
-    proc = run_cli([PY, "-c", "import sys; from distcourse.tracking import push_to_hub; push_to_hub(sys.argv[1], 'someone/tiny')",
+    proc = run_cli([PY, "-c", "import sys; from distcourse.outputs import push_to_hub; push_to_hub(sys.argv[1], 'someone/tiny')",
                     str(run / "model")], timeout=120,
                    env={"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
                         "HF_TOKEN": "hf_not_a_real_token", "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}"})
