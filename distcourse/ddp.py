@@ -113,7 +113,7 @@ def train_steps(accelerator, model, optimizer, scheduler,
         yield step, train_step(accelerator, model, optimizer, scheduler, micro, task, max_grad_norm, loss_fn)
 
 # %% ../nbs/03_ddp.ipynb #c3f18cd3
-def train_worker(out_dir, task="clm", batch_size=8, grad_accum=1, steps=4, lr=3e-3,
+def train_worker(out_dir, task="clm", batch_size=8, grad_accum=1, steps=4, lr=3e-3, warmup_steps=1,
                  shuffle=False,            # Accelerate-style shuffling (a RandomSampler) instead of EpochSampler
                  dropout=0.0,              # set every dropout probability (the presets have none)
                  accelerator_kwargs=None,  # passed to make_accelerator, e.g. {"gradient_accumulation_steps": 2}
@@ -126,7 +126,7 @@ def train_worker(out_dir, task="clm", batch_size=8, grad_accum=1, steps=4, lr=3e
     for m in model.modules():
         if dropout and isinstance(m, torch.nn.Dropout): m.p = dropout
     opt = make_optimizer(model, lr)
-    sched = make_scheduler(opt, warmup_steps=1, max_steps=steps)  # not prepared: train_step steps it once
+    sched = make_scheduler(opt, warmup_steps, max_steps=steps)  # not prepared: train_step steps it once
     model, opt, train_dl, val_dl = acc.prepare(model, opt, train_dl, val_dl)
     hist = [{**res, "lr": sched.get_last_lr()[0]}
             for _, res in train_steps(acc, model, opt, sched, epochs(train_dl), task, steps, grad_accum=grad_accum)]

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from distcourse.ddp import grads_by_hand, grads_ddp, setup, train_step, train_worker
+from distcourse.ddp import grads_by_hand, grads_ddp, train_step, train_worker
+from distcourse.loop import setup
 from distcourse.launch import launch, make_accelerator
 from distcourse.loop import epochs, loss_sum, make_optimizer, make_scheduler
 
