@@ -26,7 +26,7 @@ from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
 from .memory import track_memory
 from .model import build_model, check_compat, num_params
-from .precision import resolve_precision
+from .precision_choice import resolve_precision
 from .tracking import Run, push_to_hub, resolve_tracker, resource_stats, start_tracking
 from .zero import check_stage, full_state_dict, prepare_zero
 
