@@ -28,7 +28,7 @@ from .loop import loss_sum, make_scheduler
 from .memory import track_memory
 from .model import build_model, check_compat, flops_per_token, num_params
 from .outputs import Run, push_to_hub
-from .precision import resolve_precision
+from .precision_choice import resolve_precision
 from .recompute import activation_bytes, checkpoint_blocks
 from .tracking import resolve_tracker, resource_stats, start_tracking
 from .zero import check_stage, full_state_dict, prepare_zero

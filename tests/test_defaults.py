@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ACCELERATE, PY, free_port, run_cli
 from distcourse.launch import cores
-from distcourse.precision import native_bf16
+from distcourse.precision_choice import native_bf16
 
 QUICK = ["--model", "tiny", "--seq_len", "32", "--batch_size", "4", "--max_steps", "3", "--eval_every", "0",
          "--log_every", "1", "--max_examples", "300", "--tracker", "none"]

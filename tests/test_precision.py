@@ -7,7 +7,7 @@ import torch
 
 from conftest import PY, ROOT, run_cli
 from distcourse.model import build_model
-from distcourse.precision import activation_bytes, op_dtypes
+from distcourse.precision_choice import activation_bytes, op_dtypes
 
 
 def test_bf16_saves_activation_memory():
