@@ -16,7 +16,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 
-from .checkpoint import DataStream, ShardedState, check_output_dir, load_checkpoint, save_checkpoint
+from .checkpoint import DataStream, check_output_dir, load_checkpoint, save_checkpoint
 from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
 from .ddp import train_steps
@@ -27,6 +27,7 @@ from .loop import loss_sum, make_scheduler
 from .memory import track_memory
 from .model import build_model, check_compat, num_params
 from .precision import resolve_precision
+from .resume import ShardedState
 from .tracking import Run, push_to_hub, resolve_tracker, resource_stats, start_tracking
 from .zero import check_stage, full_state_dict, prepare_zero
 
