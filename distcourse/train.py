@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType, broadcast_object_list, gather_obje
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 
-from .checkpoint import DataStream, ShardedState, check_output_dir, load_checkpoint, save_checkpoint
+from .checkpoint import DataStream, check_output_dir, load_checkpoint, save_checkpoint
 from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
 from .ddp import train_steps
@@ -30,6 +30,7 @@ from .model import build_model, check_compat, flops_per_token, num_params
 from .outputs import Run, push_to_hub
 from .precision_choice import resolve_precision
 from .recompute import activation_bytes, checkpoint_blocks
+from .resume import ShardedState
 from .tracking import resolve_tracker, resource_stats, start_tracking
 from .zero import check_stage, full_state_dict, prepare_zero
 

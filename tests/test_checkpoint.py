@@ -12,8 +12,9 @@ import torch
 
 from conftest import PY, run_cli
 from distcourse.checkpoint import (MARKER, STATE_FILE, check_output_dir, latest_checkpoint, load_checkpoint,
-                                   resumable_worker, save_checkpoint)
+                                   save_checkpoint)
 from distcourse.launch import launch, make_accelerator
+from distcourse.resume import resumable_worker
 
 # A tiny run: 9 batches of 8 blocks per epoch on one process, 4 per rank on two.
 SIZES = {"max_examples": 30, "batch_size": 8, "seq_len": 32}
@@ -54,7 +55,7 @@ DIES_IN_SAVE = """
 import os, signal, sys
 from pathlib import Path
 from accelerate import Accelerator
-from distcourse.checkpoint import resumable_worker
+from distcourse.resume import resumable_worker
 
 out, where = sys.argv[1], sys.argv[2]
 def die(): os.kill(os.getpid(), signal.SIGKILL)
@@ -99,7 +100,7 @@ def test_sigkill_during_save(where, straight, tmp_path):
 # Rank 1 kills itself with SIGKILL before step 7 in the first attempt (checkpoints at 4 and 8).
 KILLS_RANK_1 = """
 import os, signal, sys
-import distcourse.checkpoint as ckpt
+import distcourse.resume as resume
 import distcourse.ddp as ddp  # train_steps, the loop every run uses, calls ddp.train_step
 
 real_step, calls = ddp.train_step, [0]
@@ -109,7 +110,7 @@ def train_step(accelerator, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return real_step(accelerator, *args, **kwargs)
 ddp.train_step = train_step
-ckpt.main(sys.argv[1:])
+resume.main(sys.argv[1:])
 """
 
 
@@ -130,7 +131,7 @@ def test_killed_rank_restarts_and_matches(tmp_path):
              "--batch_size", "8", "--seq_len", "32"]
     script = tmp_path / "kills.py"
     script.write_text(KILLS_RANK_1)
-    ref = torchrun("-m", "distcourse.checkpoint", "--output_dir", str(tmp_path / "ref"), *flags)
+    ref = torchrun("-m", "distcourse.resume", "--output_dir", str(tmp_path / "ref"), *flags)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run = torchrun(str(script), "--output_dir", str(tmp_path / "killed"), *flags, restarts=1)
     assert run.returncode == 0, run.stderr[-3000:]
