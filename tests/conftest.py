@@ -1,4 +1,4 @@
-import os, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,15 @@ def run_cli(args, cwd=ROOT, timeout=600, env=None):
     "Run a command line, returning the CompletedProcess (text mode)."
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def run_worker(module, worker, out_dir, num_processes=2, timeout=300, **kw):
+    "`distcourse.<module>.<worker>(out_dir, **kw)` on `num_processes` processes in a fresh interpreter; a hang fails."
+    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
+            f"from distcourse.{module} import {worker} as w; "
+            f"launch(partial(w, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes={num_processes})")
+    proc = run_cli([PY, "-c", code, str(out_dir), json.dumps(kw)], timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.fixture

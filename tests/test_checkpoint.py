@@ -145,7 +145,7 @@ def test_killed_rank_restarts_and_matches(tmp_path):
 def save_linear(out, steps, keep, fingerprint=None):
     "Checkpoints of a linear layer at `steps`, keeping `keep`."
     acc = make_accelerator()
-    model = acc.prepare(torch.nn.Linear(2, 2))
+    acc.prepare(torch.nn.Linear(2, 2))  # registered with the accelerator: save_state writes it
     for step in steps:
         save_checkpoint(acc, out, step, {"data": {"epoch": 0, "batch": step}, "fingerprint": fingerprint or {}}, keep)
 

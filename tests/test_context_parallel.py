@@ -1,11 +1,10 @@
 "Context parallelism on real processes (gloo): ring attention and a GPT on a ring against one process; bad inputs."
 import json
-import os
 
 import pytest
 import torch
 
-from conftest import PY, run_cli
+from conftest import run_worker
 from distcourse.context_parallel import (block_work, check_cp, cp_train_worker, reference_losses, ring_check_worker,
                                          zigzag_positions, zigzag_split, zigzag_unsplit)
 from distcourse.model import GPTConfig
@@ -17,11 +16,7 @@ TINY = dict(vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=32)
 
 def launch_worker(tmp_path, worker, n, **kw):
     "Run `distcourse.context_parallel.<worker>(tmp_path, **kw)` on `n` processes in a fresh interpreter."
-    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
-            f"from distcourse.context_parallel import {worker} as w; "
-            "launch(partial(w, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes=int(sys.argv[3]))")
-    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw), str(n)], timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("context_parallel", worker, tmp_path, n, timeout=120, **kw)
     return [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
 
 

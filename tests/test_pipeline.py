@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PY, run_cli
+from conftest import run_worker
 from distcourse.model import GPT, GPTConfig
 from distcourse.pipeline import (SCHEDULES, GPTStage, bubble_fraction, check_pp, peak_in_flight,
                                  pipeline_stage, pp_worker, replay, schedule_actions, split_micro_batches)
@@ -17,12 +17,7 @@ TINY = dict(vocab_size=64, n_positions=32, n_layer=4, n_head=4, n_embd=32)
 
 def launch_worker(tmp_path, num_processes, **kw):
     "`pp_worker(tmp_path, **kw)` on `num_processes` processes, a fresh interpreter and a timeout; its json."
-    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
-            "from distcourse.pipeline import pp_worker; "
-            "launch(partial(pp_worker, **json.loads(sys.argv[2])), (sys.argv[1],), "
-            f"num_processes={num_processes})")
-    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)], timeout=240)  # a hang fails, not stalls
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("pipeline", "pp_worker", tmp_path, num_processes, timeout=240, **kw)  # a hang fails, not stalls
     return json.loads((tmp_path / f"pp{kw['pp']}.json").read_text())
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import PY, free_port, run_cli
+from conftest import free_port, run_worker
 from distcourse.model import GPTConfig
 from distcourse.sequence_parallel import sequence_parallel, sp_saved_bytes, sp_worker
 from distcourse.tensor_parallel import (count_comm, gather_full_state, random_batches, rel_diff, step_and_count,
@@ -23,11 +23,7 @@ SP_CALLS = {("all_gather", "forward"): 5, ("reduce_scatter", "forward"): 4,  # 2
 
 def launch_worker(tmp_path, n, **kw):
     "`sp_worker(tmp_path, **kw)` on `n` processes in a fresh interpreter; what rank 0 wrote."
-    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
-            "from distcourse.sequence_parallel import sp_worker; "
-            f"launch(partial(sp_worker, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes={n})")
-    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)], timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("sequence_parallel", "sp_worker", tmp_path, n, timeout=180, **kw)
     return json.loads((tmp_path / "sp.json").read_text())
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from conftest import PY, free_port, run_cli
+from conftest import free_port, run_worker
 from distcourse.model import GPTConfig
 from distcourse.tensor_parallel import (assert_sharded, check_tp, clip_tp_grads, count_comm, gather_full_state,
                                         is_split, random_batches, rel_diff, step_and_count, tensor_parallel,
@@ -22,11 +22,7 @@ DTENSOR = 1e-6   # DTensor vs the by-hand split; measured 0 (the same ops in the
 
 def launch_worker(tmp_path, n, **kw):
     "`tp_worker(tmp_path, **kw)` on `n` processes in a fresh interpreter; what rank 0 wrote."
-    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
-            "from distcourse.tensor_parallel import tp_worker; "
-            f"launch(partial(tp_worker, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes={n})")
-    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)], timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("tensor_parallel", "tp_worker", tmp_path, n, timeout=180, **kw)
     return json.loads((tmp_path / "tp.json").read_text())
 
 

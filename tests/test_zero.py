@@ -9,7 +9,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
+from conftest import ACCELERATE, ROOT, free_port, run_cli, run_worker
 from distcourse.comm import ring_bytes_sent
 from distcourse.memory import STAGES, zero_bytes
 from distcourse.zero import prepare_zero
@@ -23,11 +23,7 @@ def close(got, want, rel):
 
 def launch_worker(tmp_path, worker="zero_worker", **kw):
     "Run `distcourse.zero.<worker>(tmp_path, **kw)` on 2 processes in a fresh interpreter; its results."
-    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
-            f"from distcourse.zero import {worker} as w; "
-            "launch(partial(w, **json.loads(sys.argv[2])), (sys.argv[1],), num_processes=2)")
-    proc = run_cli([PY, "-c", code, str(tmp_path), json.dumps(kw)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_worker("zero", worker, tmp_path, 2, timeout=600, **kw)
     name = "zero.json" if worker == "zero_worker" else "deepspeed.json"
     res = json.loads((tmp_path / name).read_text())
     return {int(k) if k.isdigit() else k: v for k, v in res.items()}
