@@ -31,7 +31,8 @@ import accelerate, datasets, tokenizers, torch, transformers  # noqa: E402
 import distcourse  # noqa: E402
 from distcourse.comm import TIMED, measure_collectives  # noqa: E402
 from distcourse.launch import make_accelerator  # noqa: E402
-from distcourse.model import flops_per_token, num_params  # noqa: E402
+from distcourse.gpt import flops_per_token  # noqa: E402
+from distcourse.model import num_params  # noqa: E402
 
 from bench_data import data_throughput, padding_waste  # noqa: E402
 import bench_ddp  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .model import GPT, GPTConfig
+from .gpt import GPT, GPTConfig
 
 # %% ../nbs/05f_context_parallel.ipynb #cd3514e5
 def attention_block(q, k, v,       # (B, nh, Tq, hs) queries; (B, nh, Tk, hs) keys and values of one block

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .comm import tensor_bytes
-from .model import model_state_bytes
+from .gpt import model_state_bytes
 
 # %% ../nbs/05_memory.ipynb #af59d4c5
 STAGES = (0, 1, 2, 3)  # 0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters

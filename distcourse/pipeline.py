@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from .model import GPT, GPTConfig
+from .gpt import GPT, GPTConfig
 
 # %% ../nbs/05e_pipeline.ipynb #a77e6ad6
 SCHEDULES = ("gpipe", "1f1b")  # gpipe: all forward, all backward (AFAB); 1f1b: one forward, one backward

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from .loop import loss_sum
-from .model import GPT, _Block
+from .gpt import GPT, _Block
 
 # %% ../nbs/05b_recompute.ipynb #1679091c
 def korthikanti_bytes(s, # tokens per sequence

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from .model import GPT, GPTConfig
+from .gpt import GPT, GPTConfig
 
 # %% ../nbs/05c_tensor_parallel.ipynb #844728aa
 def shard(full,     # a full weight or bias

@@ -26,7 +26,8 @@ from .launch import WorldSizeError, cpu_threads, local_processes, make_accelerat
 from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
 from .memory import track_memory
-from .model import build_model, check_compat, flops_per_token, num_params
+from .gpt import flops_per_token
+from .model import build_model, check_compat, num_params
 from .outputs import Run, push_to_hub
 from .precision_choice import resolve_precision
 from .recompute import activation_bytes, checkpoint_blocks

@@ -7,7 +7,7 @@ import torch
 from conftest import run_worker
 from distcourse.context_parallel import (block_work, check_cp, cp_train_worker, reference_losses, ring_check_worker,
                                          zigzag_positions, zigzag_split, zigzag_unsplit)
-from distcourse.model import GPTConfig
+from distcourse.gpt import GPTConfig
 
 ATTN_TOL = 1e-5   # fp32 output and dQ/dK/dV vs SDPA on the whole sequence; measured ≤ 1e-6
 LOSS_TOL = 1e-4   # relative, per step, vs one process; measured ≤ 3e-7

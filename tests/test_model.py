@@ -9,7 +9,8 @@ import transformers
 
 from distcourse.data import get_tokenizer
 from distcourse.loaders import get_dataloaders
-from distcourse.model import PRESETS, GPT, GPTConfig, build_model, check_compat, num_params
+from distcourse.gpt import GPT, GPTConfig
+from distcourse.model import PRESETS, build_model, check_compat, num_params
 
 PAIRS = [("clm", "gpt2"), ("mlm", "bert"), ("cls", "bert"), ("cls", "gpt2")]  # every (task, arch) there is
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import run_worker
-from distcourse.model import GPT, GPTConfig
+from distcourse.gpt import GPT, GPTConfig
 from distcourse.pipeline import (SCHEDULES, GPTStage, bubble_fraction, check_pp, peak_in_flight,
                                  pipeline_stage, pp_worker, replay, schedule_actions, split_micro_batches)
 

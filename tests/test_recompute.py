@@ -7,7 +7,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from distcourse.model import GPT, GPTConfig, _Block
+from distcourse.gpt import GPT, GPTConfig, _Block
 from distcourse.recompute import (activation_bytes, activation_terms, checkpoint_blocks, is_checkpointed,
                                   korthikanti_bytes, measure_saved_bytes, predicted_activation_bytes,
                                   recompute, saved_tensors)

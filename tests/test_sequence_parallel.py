@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import free_port, run_worker
-from distcourse.model import GPTConfig
+from distcourse.gpt import GPTConfig
 from distcourse.sequence_parallel import sequence_parallel, sp_saved_bytes, sp_worker
 from distcourse.tensor_parallel import (count_comm, gather_full_state, random_batches, rel_diff, step_and_count,
                                         tensor_parallel, tiny_gpt)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conftest import free_port, run_worker
-from distcourse.model import GPTConfig
+from distcourse.gpt import GPTConfig
 from distcourse.tensor_parallel import (assert_sharded, check_tp, clip_tp_grads, count_comm, gather_full_state,
                                         is_split, random_batches, rel_diff, step_and_count, tensor_parallel,
                                         tiny_gpt, tp_grad_norm, tp_worker)
