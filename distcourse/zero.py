@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ZERO1', 'FlatZeroOptimizer', 'torch_zero1', 'check_stage', 'shard_model', 'prepare_zero', 'full_state_dict',
-           'zero_worker', 'deepspeed_worker']
+           'zero_worker']
 
 # %% ../nbs/05a_zero.ipynb #eef28cf2
 import copy
@@ -22,11 +22,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from .comm import count_collectives, tensor_bytes
+from .comm import count_collectives
 from .ddp import train_step
 from .launch import make_accelerator
-from .loop import epochs, loss_sum, make_optimizer, make_scheduler, setup
-from .memory import STAGES, memory_report, track_memory
+from .loop import epochs, make_optimizer, make_scheduler, setup
+from .memory import STAGES, track_memory
 from .model import num_params
 
 # %% ../nbs/05a_zero.ipynb #101f6b30
@@ -197,40 +197,3 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                       "weight_diff": max((weights[k] - ref[k]).abs().max().item() for k in ref)}
     if acc.is_main_process: Path(out_dir, "zero.json").write_text(json.dumps(res))
     dist.barrier()  # rank 0 has written before any process exits
-
-# %% ../nbs/05a_zero.ipynb #fa7630a4
-def _master_bytes(optimizer) -> int:
-    "Bytes of DeepSpeed's fp32 master partition on this rank (stages 1-2 and stage 3 name it differently)."
-    flat = (getattr(optimizer, "single_partition_of_fp32_groups", None)  # stages 1 and 2
-            or getattr(optimizer, "fp32_partitioned_groups_flat", []))      # stage 3
-    return sum(tensor_bytes(t) for t in flat)
-
-# %% ../nbs/05a_zero.ipynb #c1f60dff
-def deepspeed_worker(out_dir, stages=(1, 2, 3), steps=4, batch_size=8, seq_len=32, lr=3e-3, model="tiny",
-                     max_examples=400, max_grad_norm=1.0):
-    "Worker: `deepspeed.initialize` at each ZeRO stage, same weights and batches as `zero_worker`; rank 0 writes."
-    import deepspeed  # optional: pip install -e ".[deepspeed]"
-    acc = make_accelerator()  # only for the prepared loader (zero_worker's batches) and the reductions
-    base, train_dl, _ = setup("clm", batch_size, seq_len=seq_len, max_examples=max_examples, model=model)
-    train_dl, res = acc.prepare(train_dl), {"world_size": acc.num_processes}
-    for stage in stages:
-        net = copy.deepcopy(base)
-        cfg = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
-               "gradient_clipping": max_grad_norm, "zero_optimization": {"stage": stage},
-               "zero_allow_untested_optimizer": True}  # our AdamW (make_optimizer), not DeepSpeed's fused one
-        engine, opt, _, _ = deepspeed.initialize(model=net, optimizer=make_optimizer(net, lr), config=cfg,
-                                                 lr_scheduler=lambda o: make_scheduler(o, 1, steps))
-        batches, losses = epochs(train_dl), []
-        for _ in range(steps):
-            s, n = loss_sum(engine, next(batches), "clm")
-            n = acc.reduce(n, "sum")
-            engine.backward(s * acc.num_processes / n)  # DeepSpeed divides by the ranks, like DDP
-            engine.step()                               # clips, steps, zeroes the gradients, steps the schedule
-            losses.append((acc.reduce(s.detach(), "sum") / n).item())
-        mems = [None] * acc.num_processes
-        dist.all_gather_object(mems, {"optimizer_bytes": memory_report(engine, opt)["optimizer_bytes"],
-                                      "master_bytes": _master_bytes(opt)})
-        res[stage] = {"losses": losses, "memory": mems}
-        engine.destroy()
-    if acc.is_main_process: Path(out_dir, "deepspeed.json").write_text(json.dumps(res))
-    dist.barrier()

@@ -22,8 +22,8 @@ def close(got, want, rel):
 
 
 def launch_worker(tmp_path, worker="zero_worker", **kw):
-    "Run `distcourse.zero.<worker>(tmp_path, **kw)` on 2 processes in a fresh interpreter; its results."
-    run_worker("zero", worker, tmp_path, 2, timeout=600, **kw)
+    "Run zero.zero_worker or engines.deepspeed_worker on 2 processes in a fresh interpreter; its results."
+    run_worker("engines" if worker == "deepspeed_worker" else "zero", worker, tmp_path, 2, timeout=600, **kw)
     name = "zero.json" if worker == "zero_worker" else "deepspeed.json"
     res = json.loads((tmp_path / name).read_text())
     return {int(k) if k.isdigit() else k: v for k, v in res.items()}
