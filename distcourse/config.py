@@ -117,12 +117,12 @@ def _check_global_batch(path, state, cfg):
     g, now = state["fingerprint"].get("global_batch"), cfg.batch_size * cfg.grad_accum * world
     if g is None or g == now: return path  # the same examples per step, split over any number of processes
     b, ga = state["config"]["batch_size"], state["config"]["grad_accum"]
-    fixes = [f"--batch_size {g // (cfg.grad_accum * world)}"] if g % (cfg.grad_accum * world) == 0 else []
-    fixes += [f"--grad_accum {g // (cfg.batch_size * world)}"] if g % (cfg.batch_size * world) == 0 else []
-    fixes += [f"{g // (cfg.batch_size * cfg.grad_accum)} processes"] if g % (cfg.batch_size * cfg.grad_accum) == 0 else []
+    split = {"--batch_size {}": cfg.grad_accum * world, "--grad_accum {}": cfg.batch_size * world,
+             "{} processes": cfg.batch_size * cfg.grad_accum}  # change one factor, keep the other two
+    fixes = [fix.format(g // rest) for fix, rest in split.items() if g % rest == 0]
     raise ConfigError(f"--resume {path}: saved global batch {g} = {b} x {ga} x {g // (b * ga)} (batch_size x "
-                      f"grad_accum x processes); now {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}: resume with "
-                      + (" or ".join(fixes) or f"a split of {g}") + ", or start fresh in another --output_dir")
+                      f"grad_accum x processes); now {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}: "
+                      f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
 def validate(cfg: Config) -> Config:
     "Raise `ConfigError` for anything wrong with `cfg` that can be seen before training starts."

@@ -93,7 +93,8 @@ class ShardedState:
 
     def load_state_dict(self, state):  # stage 1: the whole state; 2-3: this rank's shards, read by dcp
         if self.stage == 1: return self.optimizer.load_state_dict(state["optimizer"])
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
 
 # %% ../nbs/07a_resume.ipynb #ae6371e1
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m` and `torchrun -m`, not a notebook

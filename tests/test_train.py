@@ -217,7 +217,7 @@ def test_resume_refuses_what_does_not_fit(runs, tmp_path):
     msg = error_line(proc)
     assert msg.startswith("distcourse.train: error: --resume"), msg
     assert "saved global batch 8 = 4 x 1 x 2" in msg and "now 4 x 1 x 1 = 4" in msg, msg  # the numbers, then
-    assert "resume with --batch_size 8 or --grad_accum 2 or 2 processes" in msg, msg     # the flags that match
+    assert "resume with --batch_size 8 or --grad_accum 2 or 2 processes" in msg, msg  # the flags that match
     assert max(r["step"] for r in records(run)) == 12  # nothing was trained or logged
 
 
