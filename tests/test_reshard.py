@@ -1,11 +1,14 @@
-"Resume on another number of processes with the same global batch: 2 -> 1, 2 -> 4 (DDP) and ZeRO-3 4 -> 2."
+"""Resume on another number of processes with the same global batch: 2 -> 1, 2 -> 4 (DDP) and ZeRO-3 4 -> 2;
+a rank killed in the middle of a sharded (dcp) save."""
 import json
 import shutil
 import time
 
 import pytest
 
-from conftest import run_worker
+from conftest import PY, run_cli, run_worker
+from distcourse.checkpoint import latest_checkpoint, load_checkpoint
+from distcourse.reshard import sharded_weights
 
 STEPS, SAVED, GLOBAL = 14, 6, 16  # 11 steps of 16 examples per epoch: the runs cross an epoch boundary
 
@@ -78,3 +81,35 @@ def test_another_global_batch_is_refused(ddp, tmp_path):
     "The fingerprint holds the global batch: 1 process x 8 is not the saved 2 x 8 = 16, and the error says so."
     with pytest.raises(AssertionError, match="global_batch: saved 16, now 8"):
         resume(ddp[0], tmp_path / "half", 1, batch_size=8)
+
+
+# Rank 1 is killed right after it wrote its dcp piece of step 12 (rank 0 may or may not have written its own).
+DIES_IN_DCP_SAVE = """
+import os, signal, sys
+from functools import partial
+import torch.distributed.checkpoint as dcp
+from distcourse.launch import launch
+from distcourse.reshard import reshard_worker
+
+save = dcp.save
+def save_then_die(state, checkpoint_id=None, **kw):
+    save(state, checkpoint_id=checkpoint_id, **kw)
+    if str(checkpoint_id).endswith(".tmp-step_12/sharded") and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+dcp.save = save_then_die
+launch(partial(reshard_worker, zero_stage=3, batch_size=8), (sys.argv[1],), num_processes=2, timeout=60)
+"""
+
+
+def test_sigkill_in_a_sharded_save(tmp_path):
+    "A rank killed in the middle of a dcp save: the torn save is skipped, the previous one still loads whole."
+    script, out = tmp_path / "dies.py", tmp_path / "run"
+    script.write_text(DIES_IN_DCP_SAVE)
+    proc = run_cli([PY, str(script), str(out)], timeout=120)
+    assert proc.returncode != 0
+    ckpts = out / "checkpoints"
+    assert (ckpts / ".tmp-step_12/sharded/__1_0.distcp").is_file() and not (ckpts / "step_12").exists()
+    assert latest_checkpoint(out) == ckpts / f"step_{SAVED}"
+    with pytest.raises(ValueError, match="no such directory"): load_checkpoint(None, ckpts / "step_12")
+    weights = sharded_weights(ckpts / f"step_{SAVED}")  # every piece of step 6 is there and reads whole
+    assert weights["transformer.wte.weight"].shape == (8192, 64)
