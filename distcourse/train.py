@@ -198,8 +198,9 @@ def train(config=None, **overrides) -> dict:
 
 # %% ../nbs/09a_train.ipynb #4d644f0a
 def fingerprint(cfg, accelerator) -> dict:
-    "What a checkpoint of this run must agree on with the run that resumes it."
-    return {**{k: getattr(cfg, k) for k in FINGERPRINT}, "world_size": accelerator.num_processes}
+    "What a checkpoint of this run must agree on with the run that resumes it: the global batch, not its split."
+    return {**{k: getattr(cfg, k) for k in FINGERPRINT},
+            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes}
 
 def _save(acc, cfg, step, tokens, stream):
     "Full training state at `step` into checkpoints/step_<step>, crash-safe (the checkpointing lesson)."
