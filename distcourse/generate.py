@@ -18,6 +18,7 @@ from transformers.utils import logging as hf_logging
 from .checkpoint import MARKER, STATE_FILE, latest_checkpoint
 from .data import get_tokenizer
 from .model import build_model
+from .reshard import sharded_weights
 
 # %% ../nbs/08a_generation.ipynb #4c43177d
 _TASKS = (("ForCausalLM", "clm"), ("LMHeadModel", "clm"), ("ForMaskedLM", "mlm"), ("ForSequenceClassification", "cls"))
@@ -51,11 +52,9 @@ def _run_config(ckpt) -> dict:
                      "so the model cannot be rebuilt; load the run's model/ directory instead")
 
 def _sharded_weights(ckpt) -> dict:
-    "The full weights a ZeRO-2/3 run's `ShardedState` saved (in a custom_checkpoint_<i>.pkl), loaded as plain data."
-    for f in sorted(ckpt.glob("custom_checkpoint_*.pkl")):
-        state = torch.load(f, map_location="cpu", weights_only=True)  # tensors and plain data only
-        if isinstance(state, dict) and "model" in state: return state["model"]
-    raise ValueError(f"checkpoint {ckpt} has no model weights (no model.safetensors, no ShardedState with a model)")
+    "The full weights of a ZeRO-2/3 run's checkpoint: every rank's dcp piece (lesson 07b), read in this one process."
+    if (ckpt / "sharded").is_dir(): return sharded_weights(ckpt)
+    raise ValueError(f"checkpoint {ckpt} has no model weights (no model.safetensors, no sharded/ pieces)")
 
 def _from_checkpoint(ckpt) -> tuple:
     "Rebuild the run's model and tokenizer from its configuration, then load the checkpoint's weights strictly."
