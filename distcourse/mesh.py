@@ -5,10 +5,8 @@
 # %% auto #0
 __all__ = ['SUPPORTED', 'CONV1D', 'check_degrees', 'mesh_layout', 'my_groups', 'to_gpt', 'load_into_hf', 'Mesh']
 
-# %% ../nbs/05g_mesh.ipynb #c3e69456
-import copy
+# %% ../nbs/05g_mesh.ipynb #aee9cac8
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,7 +20,7 @@ from .loop import make_optimizer, make_scheduler
 from .pipeline import GPTStage, bubble_fraction, check_pp, pipeline_step, pp_groups
 from .tensor_parallel import check_tp, gather_full_state, tensor_parallel, tp_grad_norm
 
-# %% ../nbs/05g_mesh.ipynb #4d708437
+# %% ../nbs/05g_mesh.ipynb #35165f2a
 SUPPORTED = "dp x tp, dp x cp or dp x pp: one of --tp, --cp, --pp above 1 (GPT-2 presets, --task clm)"
 
 def check_degrees(world_size,        # processes of the run
@@ -48,7 +46,7 @@ def check_degrees(world_size,        # processes of the run
                          f"multiple of {inner} processes, or pick degrees whose product is in {fits}")
     return {"dp": world_size // inner, "tp": tp, "pp": pp, "cp": cp}
 
-# %% ../nbs/05g_mesh.ipynb #45cf4574
+# %% ../nbs/05g_mesh.ipynb #d2ac60c6
 def mesh_layout(world_size, tp=1, pp=1, cp=1) -> dict:
     "The groups of ranks of a (dp, pp, tp·cp) mesh; rank = (dp_index·pp + stage)·tp·cp + inner index."
     inner, dp = tp * cp, world_size // (tp * pp * cp)
@@ -66,7 +64,7 @@ def my_groups(layout, rank) -> dict:
             if rank in ranks: mine[axis], mine[axis + "_ranks"] = group, ranks
     return mine
 
-# %% ../nbs/05g_mesh.ipynb #4b2112e1
+# %% ../nbs/05g_mesh.ipynb #3819cf7b
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 def to_gpt(hf) -> GPT:
@@ -85,7 +83,7 @@ def load_into_hf(hf, state):  # state: GPT-named full weights, e.g. gather_full_
         if k in state: p.copy_(state[k].t() if k.endswith(CONV1D) else state[k])
     return hf
 
-# %% ../nbs/05g_mesh.ipynb #0c2e8520
+# %% ../nbs/05g_mesh.ipynb #1e70fd4e
 class Mesh:
     "One rank's part of a (dp, tp | cp | pp) mesh: its model piece, groups, AdamW + schedule, and its step."
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
