@@ -5,12 +5,13 @@
 # %% auto #0
 __all__ = ['SUPPORTED', 'CONV1D', 'check_degrees', 'mesh_layout', 'my_groups', 'to_gpt', 'load_into_hf', 'Mesh']
 
-# %% ../nbs/05g_mesh.ipynb #aee9cac8
+# %% ../nbs/05g_mesh.ipynb #015ad077
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from fastcore.basics import patch
 from torch.utils.data import DataLoader
 
 from .context_parallel import check_cp, cp_forward, zigzag_positions, zigzag_split
@@ -20,7 +21,7 @@ from .loop import make_optimizer, make_scheduler
 from .pipeline import GPTStage, bubble_fraction, check_pp, pipeline_step, pp_groups
 from .tensor_parallel import check_tp, gather_full_state, tensor_parallel, tp_grad_norm
 
-# %% ../nbs/05g_mesh.ipynb #35165f2a
+# %% ../nbs/05g_mesh.ipynb #dce0f045
 SUPPORTED = "dp x tp, dp x cp or dp x pp: one of --tp, --cp, --pp above 1 (GPT-2 presets, --task clm)"
 
 def check_degrees(world_size,        # processes of the run
@@ -46,7 +47,7 @@ def check_degrees(world_size,        # processes of the run
                          f"multiple of {inner} processes, or pick degrees whose product is in {fits}")
     return {"dp": world_size // inner, "tp": tp, "pp": pp, "cp": cp}
 
-# %% ../nbs/05g_mesh.ipynb #d2ac60c6
+# %% ../nbs/05g_mesh.ipynb #1442e0b4
 def mesh_layout(world_size, tp=1, pp=1, cp=1) -> dict:
     "The groups of ranks of a (dp, pp, tp·cp) mesh; rank = (dp_index·pp + stage)·tp·cp + inner index."
     inner, dp = tp * cp, world_size // (tp * pp * cp)
@@ -64,14 +65,15 @@ def my_groups(layout, rank) -> dict:
             if rank in ranks: mine[axis], mine[axis + "_ranks"] = group, ranks
     return mine
 
-# %% ../nbs/05g_mesh.ipynb #3819cf7b
+# %% ../nbs/05g_mesh.ipynb #01dd5719
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 def to_gpt(hf) -> GPT:
     "The course's `GPT` holding the weights of a transformers `GPT2LMHeadModel` (Conv1D weights transposed)."
     c = hf.config
     if c.activation_function != "gelu_new" or c.layer_norm_epsilon != 1e-5:
-        raise ValueError(f"activation {c.activation_function}, eps {c.layer_norm_epsilon}: GPT has gelu_new, 1e-5")
+        raise ValueError(f"activation {c.activation_function}, LayerNorm eps {c.layer_norm_epsilon}: "
+                         "the course's GPT has gelu_new and 1e-5")
     cfg = GPTConfig(c.vocab_size, c.n_positions, c.n_layer, c.n_head, c.n_embd, dropout=c.resid_pdrop)
     with torch.random.fork_rng(devices=[]): gpt = GPT(cfg)  # its random init is overwritten: leave the RNG be
     return load_gpt2_weights(gpt, hf)
@@ -83,12 +85,12 @@ def load_into_hf(hf, state):  # state: GPT-named full weights, e.g. gather_full_
         if k in state: p.copy_(state[k].t() if k.endswith(CONV1D) else state[k])
     return hf
 
-# %% ../nbs/05g_mesh.ipynb #1e70fd4e
+# %% ../nbs/05g_mesh.ipynb #d3cd77bf
 class Mesh:
     "One rank's part of a (dp, tp | cp | pp) mesh: its model piece, groups, AdamW + schedule, and its step."
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
-                 cfg,             # a trainer Config, or anything with its tp, pp, cp, pp_schedule, lr,
-                                  # weight_decay, warmup_steps and max_steps (the degrees passed check_degrees)
+                 cfg,             # a trainer Config, or anything with its tp, pp, cp (checked),
+                                  # pp_schedule, lr, weight_decay, warmup_steps and max_steps
                  autocast=nullcontext):  # a context for the forward, e.g. `accelerator.autocast`
         rank, world, tp, pp, cp = dist.get_rank(), dist.get_world_size(), cfg.tp, cfg.pp, cfg.cp
         self.d = d = {"dp": world // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
@@ -110,87 +112,102 @@ class Mesh:
         x, labels = (batch[k].chunk(self.d["dp"])[self.dp_rank] for k in ("input_ids", "labels"))
         return x, F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
 
-    def _loss_sums(self, micro, n):  # micro: this rank's [(x, y)]; n: tokens of the global batch
-        "Forward and backward of every micro-batch; the summed loss of this rank's tokens."
-        total, cp = torch.zeros(()), self.d["cp"]
-        for x, y in micro:
-            with self.autocast():
-                if cp > 1:  # this rank's zig-zag chunks of every sequence, attention by ring
-                    r = dist.get_rank(self.g["inner"])
-                    x, y = zigzag_split(x, r, cp), zigzag_split(y, r, cp)
-                    logits = cp_forward(self.model, x, zigzag_positions(x.size(1) * cp, r, cp), self.g["inner"])
-                else: logits = self.model(x)[0]
-                s = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
-            (s / n).backward()  # d(Σ token losses / tokens of the global batch)
-            total += s.detach()
-        return total
+# %% ../nbs/05g_mesh.ipynb #1d9720d5
+@patch
+def _loss_sums(self: Mesh, micro, n):  # micro: this rank's [(x, y)]; n: tokens of the global batch
+    "Forward and backward of every micro-batch; the summed loss of this rank's tokens."
+    total, cp = torch.zeros(()), self.d["cp"]
+    for x, y in micro:
+        with self.autocast():
+            if cp > 1:  # this rank's zig-zag chunks of every sequence, attention by ring
+                r = dist.get_rank(self.g["inner"])
+                x, y = zigzag_split(x, r, cp), zigzag_split(y, r, cp)
+                pos = zigzag_positions(x.size(1) * cp, r, cp)  # where this rank's tokens sit
+                logits = cp_forward(self.model, x, pos, self.g["inner"])  # (b, T/cp, V)
+            else: logits = self.model(x)[0]
+            s = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100,
+                                reduction="sum")
+        (s / n).backward()  # d(Σ token losses / tokens of the global batch)
+        total += s.detach()
+    return total
 
-    def step(self, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(x, y)] of one optimizer step
-        "One optimizer step, equal to one process on the global batch: loss, clipping, AdamW, schedule."
-        local = sum((y != -100).sum() for _, y in micro)
-        n = local.clone()
-        dist.all_reduce(n, group=self.g["dp"])  # tokens of the global batch
-        if self.d["pp"] > 1:  # the pipeline lesson's step: its loss is a mean over this pipeline's tokens
-            with self.autocast(): loss, self.timeline = pipeline_step(self.model, micro, self.schedule, self.pipe)
-            for p in self.model.parameters(): p.grad.mul_(local / n)  # ÷ local tokens -> ÷ global tokens
-            total = loss * local
-        else: total = self._loss_sums(micro, n)
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        for g in grads: dist.all_reduce(g, group=self.g["dp"])  # Σ over data-parallel replicas
-        if self.d["cp"] > 1:
-            for g in grads: dist.all_reduce(g, group=self.g["inner"])  # Σ over the sequence's chunks
-        norm = self.grad_norm()
-        scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_
-        for g in grads: g.mul_(scale)
-        self.opt.step()
-        self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
-        if self.d["cp"] > 1: dist.all_reduce(total, group=self.g["inner"])
-        dist.all_reduce(total, group=self.g["dp"])
-        self.tokens += int(n)  # seen so far
-        return {"loss": (total / n).item(), "tokens": int(n), "grad_norm": norm.item()}
+@patch
+def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(x, y)] of one optimizer step
+    "One optimizer step, equal to one process on the global batch: loss, clipping, AdamW, schedule."
+    local = sum((y != -100).sum() for _, y in micro)
+    n = local.clone()
+    dist.all_reduce(n, group=self.g["dp"])  # tokens of the global batch
+    if self.d["pp"] > 1:  # the pipeline lesson's step: its loss is a mean over this pipeline's tokens
+        with self.autocast():
+            loss, self.timeline = pipeline_step(self.model, micro, self.schedule, self.pipe)
+        for p in self.model.parameters(): p.grad.mul_(local / n)  # ÷ local tokens -> ÷ global tokens
+        total = loss * local
+    else: total = self._loss_sums(micro, n)
+    grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+    for g in grads: dist.all_reduce(g, group=self.g["dp"])  # Σ over data-parallel replicas
+    if self.d["cp"] > 1:
+        for g in grads: dist.all_reduce(g, group=self.g["inner"])  # Σ over the sequence's chunks
+    norm = self.grad_norm()
+    scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_
+    for g in grads: g.mul_(scale)
+    self.opt.step()
+    self.sched.step()
+    self.opt.zero_grad(set_to_none=True)
+    if self.d["cp"] > 1: dist.all_reduce(total, group=self.g["inner"])
+    dist.all_reduce(total, group=self.g["dp"])
+    self.tokens += int(n)  # seen so far
+    return {"loss": (total / n).item(), "tokens": int(n), "grad_norm": norm.item()}
 
-    def grad_norm(self) -> torch.Tensor:
-        "The norm of the gradient one process would hold, from this rank's (already summed) gradients."
-        if self.d["tp"] > 1: return tp_grad_norm(self.model, self.g["inner"])
-        sq = sum(p.grad.pow(2).sum() for n, p in self.model.named_parameters()
-                 if p.grad is not None and not (self.d["pp"] > 1 and n == "lm_head.weight"))  # tied: once
-        if self.d["pp"] > 1: dist.all_reduce(sq, group=self.pipe.pipe)  # every stage's share
-        return sq.sqrt()
+# %% ../nbs/05g_mesh.ipynb #eb2f6807
+@patch
+def grad_norm(self: Mesh) -> torch.Tensor:
+    "The norm of the gradient one process would hold, from this rank's (already summed) gradients."
+    if self.d["tp"] > 1: return tp_grad_norm(self.model, self.g["inner"])
+    sq = sum(p.grad.pow(2).sum() for n, p in self.model.named_parameters()
+             if p.grad is not None and not (self.d["pp"] > 1 and n == "lm_head.weight"))  # tied: once
+    if self.d["pp"] > 1: dist.all_reduce(sq, group=self.pipe.pipe)  # every stage's share
+    return sq.sqrt()
 
-    def full_state(self) -> dict:
-        "The weights one process would hold, GPT-named, on every rank (a collective: every rank calls it)."
-        if self.d["tp"] > 1: return gather_full_state(self.model, grads=False)
-        mine = {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        if self.d["pp"] == 1: return mine
-        if self.model.is_last and not self.model.is_first: mine.pop("lm_head.weight")  # the tied copy
-        parts = [None] * self.d["pp"]
-        dist.all_gather_object(parts, mine, group=self.pipe.pipe)
-        return {k: v for part in parts for k, v in part.items()}
+@patch
+def full_state(self: Mesh) -> dict:
+    "The weights one process would hold, GPT-named, on every rank (a collective: every rank calls it)."
+    if self.d["tp"] > 1: return gather_full_state(self.model, grads=False)
+    mine = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+    if self.d["pp"] == 1: return mine
+    if self.model.is_last and not self.model.is_first: mine.pop("lm_head.weight")  # the tied copy
+    parts = [None] * self.d["pp"]
+    dist.all_gather_object(parts, mine, group=self.pipe.pipe)
+    return {k: v for part in parts for k, v in part.items()}
 
-    def hf_model(self):
-        "The transformers model with the mesh's current weights (for evaluation and `save_pretrained`)."
-        return load_into_hf(self.hf, self.full_state())
+@patch
+def hf_model(self: Mesh):
+    "The transformers model with the mesh's current weights (for evaluation and `save_pretrained`)."
+    return load_into_hf(self.hf, self.full_state())
 
-    def parallel(self) -> dict:
-        "The layout for run.json: the degrees, the pipeline schedule and its measured bubble."
-        return {**self.d, "pp_schedule": self.schedule, "bubble": self.bubble()}
+@patch
+def parallel(self: Mesh) -> dict:
+    "The layout for run.json: the degrees, the pipeline schedule and its measured bubble."
+    return {**self.d, "pp_schedule": self.schedule, "bubble": self.bubble()}
 
-    def bubble(self) -> float:
-        "The measured bubble fraction of the last pipeline step (all stages' timelines); None without --pp."
-        if self.d["pp"] == 1: return None
-        parts = [None] * self.d["pp"]
-        dist.all_gather_object(parts, self.timeline, group=self.pipe.pipe)
-        return bubble_fraction([e for part in parts for e in part], self.d["pp"])
+@patch
+def bubble(self: Mesh) -> float:
+    "The measured bubble fraction of the last pipeline step (all stages' timelines); None without --pp."
+    if self.d["pp"] == 1: return None
+    parts = [None] * self.d["pp"]
+    dist.all_gather_object(parts, self.timeline, group=self.pipe.pipe)
+    return bubble_fraction([e for part in parts for e in part], self.d["pp"])
 
-    def loader(self, train_dl):  # the trainer's loader, batch_size examples per micro-batch
-        "A loader of global micro-batches (batch_size·dp examples), in the order one process would see them."
-        return DataLoader(train_dl.dataset, train_dl.batch_size * self.d["dp"], drop_last=True,
-                          sampler=EpochSampler(len(train_dl.dataset), train_dl.sampler.seed),
-                          collate_fn=train_dl.collate_fn)
+# %% ../nbs/05g_mesh.ipynb #c0871a47
+@patch
+def loader(self: Mesh, train_dl):  # the trainer's loader, batch_size examples per micro-batch
+    "A loader of global micro-batches (batch_size·dp examples), in the order one process would see them."
+    return DataLoader(train_dl.dataset, train_dl.batch_size * self.d["dp"], drop_last=True,
+                      sampler=EpochSampler(len(train_dl.dataset), train_dl.sampler.seed),
+                      collate_fn=train_dl.collate_fn)
 
-    def train_steps(self, batches, steps, start=0, grad_accum=1, max_grad_norm=1.0):
-        "As `ddp.train_steps`: `step` on `grad_accum` global micro-batches (this rank's rows); yields (step, result)."
-        for step in range(start + 1, steps + 1):
-            micro = [self.rows(next(batches)) for _ in range(grad_accum)]
-            yield step, self.step(micro, max_grad_norm)
+@patch
+def train_steps(self: Mesh, batches, steps, start=0, grad_accum=1, max_grad_norm=1.0):
+    "As `ddp.train_steps`: `step` on `grad_accum` global micro-batches; yields (step, its result)."
+    for step in range(start + 1, steps + 1):
+        micro = [self.rows(next(batches)) for _ in range(grad_accum)]
+        yield step, self.step(micro, max_grad_norm)

@@ -213,7 +213,8 @@ def _train_mesh(cfg) -> dict:
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             run.log(step=step, loss=res["loss"], lr=mesh.sched.get_last_lr()[0], tokens=mesh.tokens)
         if step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0:  # the last one: `after`
-            run.log(step=step, split="val", **(after := evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task)))
+            after = evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task)
+            run.log(step=step, split="val", **after)
     extra = {"zero_stage": 0, "parallel": mesh.parallel(), "choices": choices(cfg, acc, cfg.max_steps)}
     return _finish(acc, cfg, run, mesh.hf, tok, before, after, len(val_dl.dataset), extra)
 
