@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
 from distcourse.config import ConfigError, parse_args
+from distcourse.train import main
 
 # 20 steps of the tiny model; every run has the same global batch: batch_size × grad_accum × dp = 2 × 4 × 1
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log_every", "1", "--eval_every", "0",
@@ -80,9 +81,10 @@ def test_bad_degrees_refused_before_any_process_group(flags, world, msg, monkeyp
     print(e.value)
 
 
-def test_cli_refuses_with_exit_2(tmp_path):
-    "The command line says what is wrong on stderr and exits 2, before any process work."
-    proc = run_cli([PY, "-m", "distcourse.train", "--config", str(ROOT / "configs/tiny.yaml"), "--tp", "3",
-                    "--output_dir", str(tmp_path / "x")], timeout=120)
-    assert proc.returncode == 2 and "--tp 3: n_head=2 is not divisible by tp=3" in proc.stderr, proc.stderr
-    assert not (tmp_path / "x").exists()
+def test_cli_refuses_with_exit_2(tmp_path, capsys, monkeypatch):
+    "The command line's entry point says what is wrong on stderr and exits 2, before any process work."
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(ROOT / "configs/tiny.yaml"), "--tp", "3", "--output_dir", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--tp 3: n_head=2 is not divisible by tp=3" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not torch.distributed.is_initialized()
