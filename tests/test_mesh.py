@@ -9,10 +9,11 @@ from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
 from distcourse.config import ConfigError, parse_args
 from distcourse.train import main
 
-# 20 steps of the tiny model; every run has the same global batch: batch_size × grad_accum × dp = 2 × 4 × 1
+# 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp = 4 × 4 × 1
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log_every", "1", "--eval_every", "0",
-        "--seq_len", "32", "--batch_size", "2", "--grad_accum", "4", "--max_examples", "300"]
-MESHES = {"tp2": ["--tp", "2"], "cp2": ["--cp", "2"], "pp2": ["--pp", "2", "--pp_schedule", "1f1b"]}
+        "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300", "--tracker", "none"]
+MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 replicas of a tp pair, 2 × 4 × 2
+          "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"])}
 
 
 def train_losses(out):
@@ -21,12 +22,12 @@ def train_losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    "One process, and the same run on 2 processes as tp 2, cp 2 and pp 2 (each with a timeout: a hang fails)."
+    "One process, and the same global batch as dp 2 × tp 2, cp 2 and pp 2 (each with a timeout: a hang fails)."
     tmp = tmp_path_factory.mktemp("mesh")
     one = run_cli([PY, "-m", "distcourse.train", *ARGS, "--output_dir", str(tmp / "one")], timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
-    for name, flags in MESHES.items():
-        proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+    for name, (world, flags) in MESHES.items():
+        proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", str(world), "--main_process_port", str(free_port()),
                         "-m", "distcourse.train", *ARGS, *flags, "--output_dir", str(tmp / name)], timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp
@@ -39,8 +40,8 @@ def test_mesh_losses_equal_one_process(runs, name):
     worst = max(abs(a - b) / abs(a) for a, b in zip(want, got))
     assert worst <= 1e-4, (name, worst)
     run = json.loads((runs / name / "run.json").read_text())
-    degree = {"tp2": "tp", "cp2": "cp", "pp2": "pp"}[name]
-    assert run["world_size"] == 2 and run["parallel"][degree] == 2 and run["parallel"]["dp"] == 1
+    world, degree = MESHES[name][0], name[-3:-1]
+    assert run["world_size"] == world and run["parallel"][degree] == 2 and run["parallel"]["dp"] == world // 2
     one = json.loads((runs / "one/run.json").read_text())
     assert abs(run["final"]["loss"] - one["final"]["loss"]) <= 1e-4 * one["final"]["loss"]  # same validation
     assert run["final"]["samples"] == one["final"]["samples"]
