@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SUPPORTED', 'CONV1D', 'check_degrees', 'mesh_layout', 'my_groups', 'to_gpt', 'load_into_hf', 'Mesh']
 
-# %% ../nbs/05g_mesh.ipynb #d71d8178
+# %% ../nbs/05g_mesh.ipynb #a2a9a5d2
 from contextlib import nullcontext
 
 import torch
@@ -21,7 +21,7 @@ from .loop import make_optimizer, make_scheduler
 from .pipeline import GPTStage, bubble_fraction, check_pp, pipeline_step, pp_groups
 from .tensor_parallel import check_tp, gather_full_state, tensor_parallel, tp_grad_norm
 
-# %% ../nbs/05g_mesh.ipynb #4b21fd1d
+# %% ../nbs/05g_mesh.ipynb #9c0f08fa
 SUPPORTED = "dp x tp, dp x cp or dp x pp: one of --tp, --cp, --pp above 1 (GPT-2 presets, --task clm)"
 
 def check_degrees(world_size,        # processes of the run
@@ -47,7 +47,7 @@ def check_degrees(world_size,        # processes of the run
                          f"multiple of {inner} processes, or pick degrees whose product is in {fits}")
     return {"dp": world_size // inner, "tp": tp, "pp": pp, "cp": cp}
 
-# %% ../nbs/05g_mesh.ipynb #1c8afb56
+# %% ../nbs/05g_mesh.ipynb #a8289fab
 def mesh_layout(world_size, tp=1, pp=1, cp=1) -> dict:
     "The groups of ranks of a (dp, pp, tp·cp) mesh; rank = (dp_index·pp + stage)·tp·cp + inner index."
     inner, dp = tp * cp, world_size // (tp * pp * cp)
@@ -65,7 +65,7 @@ def my_groups(layout, rank) -> dict:
             if rank in ranks: mine[axis], mine[axis + "_ranks"] = group, ranks
     return mine
 
-# %% ../nbs/05g_mesh.ipynb #0a867d88
+# %% ../nbs/05g_mesh.ipynb #fe189be9
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 def to_gpt(hf) -> GPT:
@@ -85,7 +85,7 @@ def load_into_hf(hf, state):  # state: GPT-named full weights, e.g. gather_full_
         if k in state: p.copy_(state[k].t() if k.endswith(CONV1D) else state[k])
     return hf
 
-# %% ../nbs/05g_mesh.ipynb #ebd7413e
+# %% ../nbs/05g_mesh.ipynb #be8f6fdf
 class Mesh:
     "One rank's part of a (dp, tp | cp | pp) mesh: its model piece, groups, AdamW + schedule, and its step."
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
@@ -112,7 +112,7 @@ class Mesh:
         x, labels = (batch[k].chunk(self.d["dp"])[self.dp_rank] for k in ("input_ids", "labels"))
         return x, F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
 
-# %% ../nbs/05g_mesh.ipynb #9853de6a
+# %% ../nbs/05g_mesh.ipynb #bcc5a7be
 @patch
 def _loss_sums(self: Mesh, micro, n):  # micro: this rank's [(x, y)]; n: tokens of the global batch
     "Forward and backward of every micro-batch; the summed loss of this rank's tokens."
@@ -158,7 +158,7 @@ def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(
     self.tokens += int(n)  # seen so far
     return {"loss": (total / n).item(), "tokens": int(n), "grad_norm": norm.item()}
 
-# %% ../nbs/05g_mesh.ipynb #66a808bf
+# %% ../nbs/05g_mesh.ipynb #c71f732e
 @patch
 def grad_norm(self: Mesh) -> torch.Tensor:
     "The norm of the gradient one process would hold, from this rank's (already summed) gradients."
@@ -197,7 +197,7 @@ def bubble(self: Mesh) -> float:
     dist.all_gather_object(parts, self.timeline, group=self.pipe.pipe)
     return bubble_fraction([e for part in parts for e in part], self.d["pp"])
 
-# %% ../nbs/05g_mesh.ipynb #3efffa74
+# %% ../nbs/05g_mesh.ipynb #4cb170d2
 @patch
 def loader(self: Mesh, train_dl):  # the trainer's loader, batch_size examples per micro-batch
     "A loader of global micro-batches (batch_size·dp examples), in the order one process would see them."
