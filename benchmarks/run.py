@@ -36,6 +36,7 @@ from distcourse.model import num_params  # noqa: E402
 
 from bench_data import data_throughput, padding_waste  # noqa: E402
 import bench_ddp  # noqa: E402
+from bench_tp import measure_tp  # noqa: E402
 from bench_steps import Bench, DistcourseStep, Matmul, TorchLoop, build, hf_trainer, take_turns  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -192,6 +193,14 @@ def table(res) -> str:
             for c in TIMED:
                 mine = [r for r in rows if r["collective"] == c]
                 lines.append(f"| {c} | {n} | {mine[0]['seconds'] * 1e6:,.0f} | {mine[-1]['busbw'] / 1e9:.2f} |")
+    if res.get("tp"):
+        tp, m = res["tp"], res["tp"]["size"]["model"]
+        lines += ["", f"Tensor parallelism (lesson 05c's layers), GPT {m['n_layer']} x {m['n_embd']}, batch "
+                      f"{res['tp']['size']['batch_size']} x {res['tp']['size']['seq_len']}, fp32; no target on a CPU:",
+                  "", "| tp | threads per process | tokens/s | share of the step in TP all-reduces |", "|---|---|---|---|",
+                  f"| 1 | {tp['threads']['tp1']} | {tp['tokens_per_s']['tp1']:,.0f} | — |",
+                  f"| 2 | {tp['threads']['tp2']} | {tp['tokens_per_s']['tp2']:,.0f} | {tp['tp2_comm_fraction']:.1%} "
+                  f"({tp['all_reduces_per_step']:.0f} all-reduces per step, {tp['all_reduces_predicted']} predicted) |"]
     return "\n".join(lines) + "\n"
 
 
@@ -207,6 +216,7 @@ def parse(argv=None):
     p.add_argument("--no_ddp", action="store_true", help="skip the 1- vs 2-process measurement")
     p.add_argument("--no_hf", action="store_true", help="skip transformers.Trainer")
     p.add_argument("--no_comm", action="store_true", help="skip the collectives (latency, bus bandwidth)")
+    p.add_argument("--no_tp", action="store_true", help="skip tensor parallelism (tokens/s at tp 1 and 2)")
     p.add_argument("--paths", action="store_true", help="also fp32/bf16 x eager/compile and the main job itself "
                    "(at the main job's batch, 16 x 128; ~5 min on 2 cores)")
     p.add_argument("--out", default=str(HERE), help="directory for results.json and results.md")
@@ -247,6 +257,8 @@ def main(argv=None):
         res["comm_busbw_largest"] = {f"{c}/{n}": [r for r in rows if r["collective"] == c][-1]["busbw"]
                                      for n, rows in res["comm"].items() for c in TIMED}
     sections["comm"], t = time.time() - t, time.time()
+    res["tp"] = None if args.no_tp or CUDA else measure_tp("smoke" if mode == "smoke" else "quick")  # lesson 05c
+    sections["tp"], t = time.time() - t, time.time()
     with tempfile.TemporaryDirectory() as tmp:
         res |= summarize(contenders(b, matmul_n, not args.no_hf, tmp), b, model)
     sections["contenders"] = time.time() - t

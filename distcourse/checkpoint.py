@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from accelerate import skip_first_batches
 
 # %% ../nbs/07_checkpointing.ipynb #893f1051
@@ -26,6 +27,10 @@ def _epoch_iter(loader, epoch, skip=0):
         if hasattr(obj, "set_epoch"): obj.set_epoch(epoch); break
     return iter(skip_first_batches(loader, skip) if skip else loader)  # skips indices, loads nothing
 
+def _global_batch(loader):
+    "Examples in one batch of all processes together (an Accelerate loader's `total_batch_size`), or None."
+    return getattr(loader, "total_batch_size", None)
+
 # %% ../nbs/07_checkpointing.ipynb #7312f127
 class DataStream:
     "An endless stream of batches that knows where it is (epoch, batches used) and can resume there."
@@ -34,11 +39,18 @@ class DataStream:
         self.loader, self.seed, self.epoch, self.batch, self._it = loader, seed, 0, 0, None
     def __iter__(self): return self
     def state_dict(self) -> dict:
-        "Where the stream is: {'epoch': e, 'batch': batches of epoch e already used}."
-        return {"epoch": self.epoch, "batch": self.batch}
+        "Where the stream is: {'epoch': e, 'batch': batches of epoch e used, 'examples': by all processes}."
+        state, g = {"epoch": self.epoch, "batch": self.batch}, _global_batch(self.loader)
+        return {**state, "examples": self.batch * g} if g else state  # examples: the same for any world size
     def load_state_dict(self, state): # a `state_dict()` of a stream over the same data
-        "Continue from `state`: the next batch is the one after the last one used."
-        self.epoch, self.batch, self._it = int(state["epoch"]), int(state["batch"]), None
+        "Continue from `state`: the next batch is the one after the last one used (by any number of processes)."
+        epoch, batch, g = int(state["epoch"]), int(state["batch"]), _global_batch(self.loader)
+        if "examples" in state and g:  # saved by a sharded loader: count this run's batches from the examples
+            if state["examples"] % g: raise ValueError(
+                f"the data position, {state['examples']} examples into epoch {epoch}, is not a whole number of "
+                f"this run's batches of {g} examples (batch_size x processes); resume with the saved global batch")
+            batch = state["examples"] // g
+        self.epoch, self.batch, self._it = epoch, batch, None
 
     def _fetch(self):
         "The next batch of this epoch (None at its end), drawing random numbers from the loader's RNG only."
@@ -100,6 +112,15 @@ def _quiet_tied_weights(accelerator):
     try: yield
     finally: log.removeFilter(quiet)
 
+@contextmanager
+def _sharded_apart(accelerator):
+    "Take the registered objects marked `sharded` out of Accelerate's list for a save or a load: {name: object}."
+    objs = accelerator._custom_objects
+    sharded = {f"custom_{i}": o for i, o in enumerate(objs) if getattr(o, "sharded", False)}
+    accelerator._custom_objects = [o for o in objs if not getattr(o, "sharded", False)]
+    try: yield sharded
+    finally: accelerator._custom_objects = objs
+
 def _prune(root, keep):
     "Delete all but the newest `keep` complete checkpoints, incomplete step directories and .tmp-* leftovers."
     done = _complete(root)
@@ -120,12 +141,14 @@ def save_checkpoint(accelerator, output_dir, # every process calls this, with th
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    with _quiet_tied_weights(accelerator):
+    with _quiet_tied_weights(accelerator), _sharded_apart(accelerator) as sharded:
         accelerator.save_state(str(tmp))  # main: model, optimizer, scheduler...; every process: its RNG states
+        if sharded:  # every rank writes its own piece, rank 0 also the index (.metadata) of all pieces
+            dcp.save({k: o.state_dict() for k, o in sharded.items()}, checkpoint_id=tmp / "sharded")
     if accelerator.is_main_process: (tmp / STATE_FILE).write_text(record)
     accelerator.wait_for_everyone()   # all files of all processes are in tmp
     if accelerator.is_main_process:
-        for f in tmp.iterdir(): _fsync(f)
+        for f in tmp.rglob("*"): _fsync(f)
         if final.exists(): final.rename(root / f".tmp-old-step_{step}")  # saved again (after a resume)
         tmp.rename(final)
         (final / MARKER).write_text(f"{step}\n")
@@ -164,7 +187,12 @@ def load_checkpoint(accelerator, path, # a checkpoints/step_<N> directory
         f"checkpoint {path} was saved by a different configuration: {'; '.join(bad)}. Resume with the "
         "saved settings, or start a fresh run in another output_dir")
     _check_pickles(path)
-    accelerator.load_state(str(path))  # weights: safetensors; other pickles: weights_only=True
+    with _sharded_apart(accelerator) as sharded:
+        accelerator.load_state(str(path))  # weights: safetensors; other pickles: weights_only=True
+        if sharded:  # this run's own layout (any world size): dcp reads into it the pieces that overlap it
+            states = {k: o.state_dict() for k, o in sharded.items()}
+            dcp.load(states, checkpoint_id=path / "sharded")
+            for k, o in sharded.items(): o.load_state_dict(states[k])
     return state
 
 # %% ../nbs/07_checkpointing.ipynb #25ee5bba

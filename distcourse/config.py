@@ -59,6 +59,9 @@ class Config:
     cp: int = 1                  # context-parallel degree (ring attention; seq_len a multiple of 2·cp); not with --tp or --pp
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
     pp_schedule: str = "1f1b"    # the pipeline's schedule: gpipe or 1f1b (1f1b needs grad_accum >= pp)
+
+    @property
+    def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1  # the mesh lesson's step trains it
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
@@ -68,9 +71,9 @@ class Config:
     text_column: str = "text"    # the text column of a local or Hub dataset
     label_column: str = "label"  # the label column (cls)
 
-# What a checkpoint must agree on with the run that resumes it (and the number of processes, checked at load):
-# the data, the model and everything that shapes the updates, the learning-rate schedule included.
-FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "batch_size", "grad_accum", "seed",
+# What a checkpoint must agree on with the run that resumes it (and the global batch, batch_size x grad_accum x
+# processes, however it is split): the data, the model and everything that shapes the updates, the schedule included.
+FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "seed",
                "zero_stage", "max_examples", "text_column", "label_column",
                "lr", "weight_decay", "warmup_steps", "max_steps", "max_grad_norm")
 SCHEDULE = ("lr", "warmup_steps", "max_steps")  # warmup, then cosine decay to 0 at max_steps
@@ -106,15 +109,29 @@ def _resume_path(cfg):
                                             f"checkpoints/step_<N> directory, or latest ({newest or 'none here'})")
     if not (path / MARKER).is_file(): raise ConfigError(
         f"--resume {path}: incomplete checkpoint (its save was interrupted); resume from {newest or 'a complete one'}")
-    saved = json.loads((path / STATE_FILE).read_text()).get("fingerprint", {})
+    state = json.loads((path / STATE_FILE).read_text())
+    saved = state.get("fingerprint", {})
     changed = [k for k in FINGERPRINT if k in saved and saved[k] != getattr(cfg, k)]
-    if not changed: return path
+    if not changed: return _check_global_batch(path, state, cfg)
     why = (" The learning-rate schedule (warmup, then cosine to 0 at max_steps) is part of the run: a different "
            "one would not continue it, so train longer in a new run." if set(changed) & set(SCHEDULE) else "")
     raise ConfigError(f"--resume {path}: the checkpoint is from a different configuration ("
                       + "; ".join(f"--{k} saved {saved[k]!r}, now {getattr(cfg, k)!r}" for k in changed) + ")."
                       + why + " Resume with " + " ".join(f"--{k} {saved[k]}" for k in changed)
                       + ", or start fresh in another --output_dir")
+
+def _check_global_batch(path, state, cfg):
+    "`path` if this run's global batch (batch_size x grad_accum x processes) is the saved one, else a ConfigError."
+    world = int(os.getenv("WORLD_SIZE") or os.getenv("DISTCOURSE_WORLD_SIZE") or 1)  # set by every launcher
+    g, now = state["fingerprint"].get("global_batch"), cfg.batch_size * cfg.grad_accum * world
+    if g is None or g == now: return path  # the same examples per step, split over any number of processes
+    b, ga = state["config"]["batch_size"], state["config"]["grad_accum"]
+    split = {"--batch_size {}": cfg.grad_accum * world, "--grad_accum {}": cfg.batch_size * world,
+             "{} processes": cfg.batch_size * cfg.grad_accum}  # change one factor, keep the other two
+    fixes = [fix.format(g // rest) for fix, rest in split.items() if g % rest == 0]
+    raise ConfigError(f"--resume {path}: saved global batch {g} = {b} x {ga} x {g // (b * ga)} (batch_size x "
+                      f"grad_accum x processes); now {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}: "
+                      f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
 def _check_mesh(cfg):
     "--tp, --cp, --pp and --pp_schedule: what the mesh trainer supports, checked before any process talks."

@@ -12,6 +12,7 @@ import json
 import os
 import random
 import socket
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -67,23 +68,47 @@ def _fresh_accelerate_state(clear=True):
         for cls, state in saved: cls._shared_state.clear(); cls._shared_state.update(state)
 
 # %% ../nbs/02a_launch.ipynb #cd6a5e6d
+def _stop_after(seconds, before) -> threading.Timer:
+    "A started timer that, after `seconds`, kills this process's children not in `before` (pids); `.fired` tells."
+    fired = threading.Event()
+    def stop():
+        fired.set()
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in before: child.kill()  # the launcher sees its workers die and raises
+    timer = threading.Timer(seconds, stop)
+    timer.daemon, timer.fired = True, fired
+    timer.start()
+    return timer
+
 def launch(fn,              # any function: the processes are forks of this one, so they have it
            args=(),         # positional arguments of `fn`
            num_processes=2, # processes on this machine; 1 runs `fn` here, in this process
            port=None,       # rendezvous port; a free one when None (the default 29500 collides)
+           timeout=None,    # seconds before the processes are stopped; None: $DISTCOURSE_LAUNCH_TIMEOUT or 900
            **env):          # environment variables for the run, e.g. ACCELERATE_MIXED_PRECISION="bf16"
     "Run `fn(*args)` on `num_processes` processes that form one process group (gloo on CPU)."
     if num_processes < 1: raise ValueError(f"num_processes={num_processes}: must be at least 1")
     threads = max(1, cores() // num_processes)
     cpu = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"}
     env = {"DISTCOURSE_WORLD_SIZE": num_processes, "TOKENIZERS_PARALLELISM": "false", **cpu, **env}
+    timeout = float(timeout or os.environ.get("DISTCOURSE_LAUNCH_TIMEOUT", 900))
     # An Accelerator made earlier in this process would leak into `fn` or block notebook_launcher; that only
     # matters when a GPU is already initialised here (forked processes cannot use it), so then we leave it.
     clear = num_processes == 1 or not torch.cuda.is_initialized()
     with patch_environment(**env), _fresh_accelerate_state(clear):
-        if num_processes == 1: fn(*args)
-        else: notebook_launcher(_worker, args=(fn, threads, *args), num_processes=num_processes,
-                                use_port=str(port or free_port()))
+        if num_processes == 1: return fn(*args)
+        timer = _stop_after(timeout, {p.pid for p in psutil.Process().children(recursive=True)})
+        try: notebook_launcher(_worker, args=(fn, threads, *args), num_processes=num_processes,
+                               use_port=str(port or free_port()))
+        except Exception:
+            if timer.fired.is_set():  # the timer stopped them: a hang, not an error of `fn`
+                raise TimeoutError(f"launch: {num_processes} processes still running after {timeout:.0f} s were "
+                                   "stopped. A hang is most often a rank waiting in a collective that another rank "
+                                   "never called; if the work is just slow, pass timeout= or set "
+                                   "DISTCOURSE_LAUNCH_TIMEOUT") from None
+            raise
+        finally: timer.cancel()
+
 
 # %% ../nbs/02a_launch.ipynb #eac535a1
 def hello_worker(out_dir):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .checkpoint import DataStream, check_output_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from .ddp import train_steps
@@ -79,21 +79,22 @@ def main(argv=None):
 
 # %% ../nbs/07a_resume.ipynb #a259fa6b
 class ShardedState:
-    "The ZeRO-sharded model (stages 2-3) and optimizer state, gathered whole to save, cut into shards to load."
-    def __init__(self, model, optimizer, stage): self.model, self.optimizer, self.stage = model, optimizer, stage
+    "ZeRO state: stage 1's optimizer gathered on rank 0; stages 2-3 sharded, each rank saving its own piece (dcp)."
+    def __init__(self, model, optimizer, stage):
+        self.model, self.optimizer, self.stage = model, optimizer, stage
+        self.sharded = stage >= 2  # `save_checkpoint` writes it with torch.distributed.checkpoint, not a pickle
 
-    def state_dict(self) -> dict:  # a collective: every rank calls it; rank 0's result is what gets saved
-        if self.stage == 1:
+    def state_dict(self) -> dict:  # a collective: every rank calls it
+        if self.stage == 1:  # rank 0's result is what Accelerate saves
             self.optimizer.consolidate_state_dict(to=0)  # the optimizer's shards, gathered on rank 0
             return {"optimizer": self.optimizer.state_dict() if dist.get_rank() == 0 else {}}
-        full = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
-        model, optimizer = get_state_dict(self.model, self.optimizer, options=full)
-        return {"model": model, "optimizer": optimizer}
+        model, optimizer = get_state_dict(self.model, self.optimizer)  # DTensors: this rank's shards, and where
+        return {"model": model, "optimizer": optimizer}                # they sit in the whole tensors
 
-    def load_state_dict(self, state):  # every rank gets the whole state and keeps its own shard
+    def load_state_dict(self, state):  # stage 1: the whole state; 2-3: this rank's shards, read by dcp
         if self.stage == 1: return self.optimizer.load_state_dict(state["optimizer"])
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+                       optim_state_dict=state["optimizer"])
 
 # %% ../nbs/07a_resume.ipynb #ae6371e1
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m` and `torchrun -m`, not a notebook

@@ -89,8 +89,7 @@ def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this 
     "What the run chose for speed (precision, torch.compile, threads per process) and why: for run.json."
     device = accelerator.device.type
     if cfg.compile != "auto": compiled, why = cfg.compile == "true", "asked for"
-    elif cfg.task != "clm" or cfg.zero_stage or cfg.tp * cfg.cp * cfg.pp > 1:
-        compiled, why = False, "auto: only a causal LM under DDP is compiled"
+    elif cfg.task != "clm" or cfg.zero_stage or cfg.mesh: compiled, why = False, "auto: only a causal LM under DDP is compiled"
     elif cfg.activation_checkpointing: compiled, why = False, "auto: not with activation checkpointing"
     else:
         compiled = steps >= COMPILE_MIN_STEPS
@@ -147,7 +146,7 @@ def _peak_of_all_ranks(accelerator, peak) -> float:
 def train(config=None, **overrides) -> dict:
     "Train as `config` (a `Config`, a dict, or flags as keyword arguments) says; returns the summary."
     cfg = validate(replace(config if isinstance(config, Config) else Config(**(config or {})), **overrides))
-    if cfg.tp * cfg.cp * cfg.pp > 1: return _train_mesh(cfg)  # the mesh lesson's step (degrees checked above)
+    if cfg.mesh: return _train_mesh(cfg)  # the mesh lesson's step (degrees checked above)
     acc = _start(cfg)
     set_seed(cfg.seed)  # the same initial weights on every rank
     tok, train_dl, val_dl, model = _setup(cfg, acc)
@@ -215,13 +214,14 @@ def _train_mesh(cfg) -> dict:
         if step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0:  # the last one: `after`
             after = evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task)
             run.log(step=step, split="val", **after)
-    extra = {"zero_stage": 0, "parallel": mesh.parallel(), "choices": choices(cfg, acc, cfg.max_steps)}
-    return _finish(acc, cfg, run, mesh.hf, tok, before, after, len(val_dl.dataset), extra)
+    return _finish(acc, cfg, run, mesh.hf, tok, before, after, len(val_dl.dataset),
+                   {"zero_stage": 0, "parallel": mesh.parallel(), "choices": choices(cfg, acc, cfg.max_steps)})
 
 # %% ../nbs/09a_train.ipynb #4d644f0a
 def fingerprint(cfg, accelerator) -> dict:
-    "What a checkpoint of this run must agree on with the run that resumes it."
-    return {**{k: getattr(cfg, k) for k in FINGERPRINT}, "world_size": accelerator.num_processes}
+    "What a checkpoint of this run must agree on with the run that resumes it: the global batch, not its split."
+    return {**{k: getattr(cfg, k) for k in FINGERPRINT},
+            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes}
 
 def _save(acc, cfg, step, tokens, stream):
     "Full training state at `step` into checkpoints/step_<step>, crash-safe (the checkpointing lesson)."

@@ -40,6 +40,14 @@ def test_results_have_every_field(smoke):
     assert {r["collective"] for r in rows} == set(TIMED) and all(r["seconds"] > 0 and r["busbw"] > 0 for r in rows)
 
 
+def test_tensor_parallel_fields(smoke):
+    "tp 1 and tp 2 both measured; the counted all-reduces per step are the 4 per block that lesson 05c proves."
+    tp = smoke[0]["tp"]
+    assert all(number(v) and v > 0 for v in tp["tokens_per_s"].values()) and set(tp["tokens_per_s"]) == {"tp1", "tp2"}
+    assert tp["all_reduces_per_step"] == tp["all_reduces_predicted"] == 4 * tp["size"]["model"]["n_layer"]
+    assert 0 < tp["tp2_comm_fraction"] < 1 and "Tensor parallelism" in smoke[1]
+
+
 def test_padding_and_data_fields(smoke):
     res, _ = smoke
     pw = res["padding_waste"]
@@ -68,7 +76,7 @@ def test_targets_and_markdown_table(smoke):
 
 
 def test_parts_can_be_left_out_and_paths_added(tmp_path):
-    proc = run_cli([*RUN, "--no_ddp", "--no_hf", "--paths", "--out", str(tmp_path)], timeout=600)
+    proc = run_cli([*RUN, "--no_ddp", "--no_hf", "--no_comm", "--no_tp", "--paths", "--out", str(tmp_path)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["paths"]) == {"fp32 eager", "fp32 compile", "bf16 eager", "bf16 compile"}
@@ -81,6 +89,7 @@ def test_parts_can_be_left_out_and_paths_added(tmp_path):
     assert number(res["defaults_vs_hf_trainer_defaults"]) and number(res["matched_vs_hf_trainer"])
     assert res["main_job"]["choices"]["compile"]["value"] is True and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
     assert res["ddp"] is None and res["ddp2_efficiency"] is None and res["loop_vs_hf_trainer"] is None
+    assert res["tp"] is None and "comm" not in res
     assert res["targets"]["ddp2_efficiency"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}
     assert "| `ddp2_efficiency` | — |" in (tmp_path / "results.md").read_text()
 

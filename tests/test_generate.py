@@ -101,6 +101,30 @@ def test_classifier_is_refused(tmp_path):
     check_refused(generate("--run", tmp_path, *PROMPT), "generation needs a causal LM")
 
 
+def test_load_model_refusals(run, tmp_path):
+    "load_model: a checkpoint without its config (run.json supplies it, else refused), weights for another model."
+    from distcourse.checkpoint import STATE_FILE
+    from distcourse.generate import load_model
+    ckpts = run / "checkpoints"
+    no_config = ckpts / "step_1001"
+    shutil.copytree(ckpts / "step_6", no_config)
+    wrong = ckpts / "step_1003"
+    shutil.copytree(ckpts / "step_6", wrong)
+    try:
+        (no_config / STATE_FILE).write_text(json.dumps({"step": 1001}))
+        load_model(no_config)  # the config comes from the run's run.json
+        (run / "run.json").rename(run / "run.json.bak")
+        try:
+            with pytest.raises(ValueError, match='holds the run\'s "config"'): load_model(no_config)
+        finally: (run / "run.json.bak").rename(run / "run.json")
+        config = json.loads((run / "run.json").read_text())["config"]
+        (wrong / STATE_FILE).write_text(json.dumps({"config": {**config, "model": "small"}}))
+        with pytest.raises(ValueError, match="its weights do not fit the 'small' model"): load_model(wrong)
+        with pytest.raises(ValueError, match="holds no model/"): load_model(tmp_path)
+    finally:
+        for p in (no_config, wrong): shutil.rmtree(p)
+
+
 def digest(d) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
 

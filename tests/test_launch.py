@@ -171,3 +171,20 @@ def test_two_nodes_without_multi_gpu_are_refused(tmp_path):
         lines = [l for l in err.splitlines() if l.startswith("distcourse.train: error: launch:")]
         assert rc != 0 and len(lines) == 1 and "started one" in lines[0], err[-3000:]
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def _hang(out_dir):
+    "Rank 0 waits in a barrier that rank 1 never joins: a hang, as a missing collective makes one."
+    import time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0: dist.barrier()
+    else: time.sleep(600)
+
+
+def test_a_hang_is_stopped_and_said(tmp_path):
+    import time
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="2 processes still running after 10 s were stopped"):
+        launch(_hang, (tmp_path,), num_processes=2, timeout=10, **CPU)
+    assert time.perf_counter() - t0 < 60

@@ -105,6 +105,20 @@ def test_resume_latest(runs, tmp_path):
     assert [r["loss"] for r in train] == [r["loss"] for r in records(out) if "split" not in r]  # exact
 
 
+def test_resume_on_another_number_of_processes(runs, tmp_path):
+    "The 2-process run (4 x 1 x 2) resumed at step 6 on 1 process with --batch_size 8: its losses within 1e-5."
+    out, _ = runs["two"]
+    again = tmp_path / "again"
+    proc = resume_copy(out, again, "--resume", str(again / "checkpoints/step_6"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads((again / "run.json").read_text())
+    assert run["world_size"] == 1 and run["resumed_from"]["step"] == 6
+    l2, l1 = ([r["loss"] for r in records(d) if "split" not in r] for d in (out, again))
+    assert len(l1) == len(l2) == 12 and l1[:6] == l2[:6]  # steps 1-6 are the 2-process run's own records
+    worst = max(abs(a - b) / abs(a) for a, b in zip(l2[6:], l1[6:]))
+    assert worst <= 1e-5, worst
+
+
 def test_resume_refuses_another_schedule(runs, tmp_path):
     "--max_steps (or --lr, --warmup_steps) other than the checkpoint's: refused, naming the flag and the fix."
     out, _ = runs["one"]
@@ -201,7 +215,9 @@ def test_resume_refuses_what_does_not_fit(runs, tmp_path):
     proc = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "4", "--output_dir", str(run),
                     "--resume", "latest"])
     msg = error_line(proc)
-    assert msg.startswith("distcourse.train: error: --resume") and "world_size: saved 2, now 1" in msg, msg
+    assert msg.startswith("distcourse.train: error: --resume"), msg
+    assert "saved global batch 8 = 4 x 1 x 2" in msg and "now 4 x 1 x 1 = 4" in msg, msg  # the numbers, then
+    assert "resume with --batch_size 8 or --grad_accum 2 or 2 processes" in msg, msg  # the flags that match
     assert max(r["step"] for r in records(run)) == 12  # nothing was trained or logged
 
 
@@ -220,7 +236,7 @@ def test_keep_checkpoints(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_6", "step_8"]
     state = json.loads((out / "checkpoints/step_8/trainer_state.json").read_text())
-    assert state["step"] == 8 and state["config"]["model"] == "tiny" and state["fingerprint"]["world_size"] == 1
+    assert state["step"] == 8 and state["config"]["model"] == "tiny" and state["fingerprint"]["global_batch"] == 4  # 4 x 1 x 1
 
 
 def test_push_failure_loses_nothing(tmp_path):
