@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import yaml
@@ -22,6 +23,7 @@ from transformers import AutoConfig
 from .checkpoint import MARKER, STATE_FILE, latest_checkpoint
 from .data import hub_offline
 from .memory import STAGES
+from .mesh import SUPPORTED, check_degrees
 from .model import PRESETS
 from .tracking import resolve_tracker
 
@@ -53,6 +55,13 @@ class Config:
     compile: str = "auto"        # auto (torch.compile for 300+ steps of a causal LM with DDP: it pays after ~250), true, false
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
+    tp: int = 1                  # tensor-parallel degree; one of --tp, --cp, --pp above 1 (GPT-2 presets, clm), dp = processes / it
+    cp: int = 1                  # context-parallel degree (ring attention; seq_len a multiple of 2·cp); not with --tp or --pp
+    pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
+    pp_schedule: str = "1f1b"    # the pipeline's schedule: gpipe or 1f1b (1f1b needs grad_accum >= pp)
+
+    @property
+    def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1  # the mesh lesson's step trains it
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
@@ -124,6 +133,23 @@ def _check_global_batch(path, state, cfg):
                       f"grad_accum x processes); now {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
+def _check_mesh(cfg):
+    "--tp, --cp, --pp and --pp_schedule: what the mesh trainer supports, checked before any process talks."
+    if cfg.pp_schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(f"--pp_schedule {cfg.pp_schedule!r}: choose 'gpipe' or '1f1b'")
+    flags = " ".join(f"--{k} {getattr(cfg, k)}" for k in ("tp", "cp", "pp") if getattr(cfg, k) != 1)
+    if not flags: return
+    if cfg.model not in PRESETS or cfg.task != "clm":
+        raise ConfigError(f"{flags} with --task {cfg.task} --model {cfg.model}: the mesh trains {SUPPORTED}; "
+                          f"use --task clm and --model one of {', '.join(PRESETS)}")
+    for k, off in (("zero_stage", 0), ("activation_checkpointing", False), ("resume", ""), ("save_every", 0)):
+        if getattr(cfg, k) != off: raise ConfigError(
+            f"{flags} with --{k} {getattr(cfg, k)}: not supported on the mesh yet; leave --{k} at {off!r}")
+    sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read
+    try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,
+                       cfg.grad_accum, cfg.pp_schedule)
+    except ValueError as e: raise ConfigError(f"{flags}: {e}") from None
+
 def validate(cfg: Config) -> Config:
     "Raise `ConfigError` for anything wrong with `cfg` that can be seen before training starts."
     def need(ok, msg):
@@ -154,6 +180,7 @@ def validate(cfg: Config) -> Config:
     need(n_pos is None or cfg.seq_len <= n_pos, f"--seq_len {cfg.seq_len} exceeds the model's {n_pos} "
          f"positions; pass --seq_len {n_pos} or a model with more positions")
     _resume_path(cfg)
+    _check_mesh(cfg)
     out = Path(cfg.output_dir)
     need(cfg.resume or cfg.overwrite or not (out / "run.json").exists() and not (out / "checkpoints").exists(),
          f"--output_dir {out} already holds a run; pass --resume latest to continue it, "

@@ -26,6 +26,7 @@ from .launch import WorldSizeError, cpu_threads, local_processes, make_accelerat
 from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
 from .memory import track_memory
+from .mesh import Mesh
 from .gpt import flops_per_token
 from .model import build_model, check_compat, num_params
 from .outputs import Run, push_to_hub
@@ -88,7 +89,7 @@ def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this 
     "What the run chose for speed (precision, torch.compile, threads per process) and why: for run.json."
     device = accelerator.device.type
     if cfg.compile != "auto": compiled, why = cfg.compile == "true", "asked for"
-    elif cfg.task != "clm" or cfg.zero_stage: compiled, why = False, "auto: only a causal LM under DDP is compiled"
+    elif cfg.task != "clm" or cfg.zero_stage or cfg.mesh: compiled, why = False, "auto: only a causal LM under DDP is compiled"
     elif cfg.activation_checkpointing: compiled, why = False, "auto: not with activation checkpointing"
     else:
         compiled = steps >= COMPILE_MIN_STEPS
@@ -145,6 +146,7 @@ def _peak_of_all_ranks(accelerator, peak) -> float:
 def train(config=None, **overrides) -> dict:
     "Train as `config` (a `Config`, a dict, or flags as keyword arguments) says; returns the summary."
     cfg = validate(replace(config if isinstance(config, Config) else Config(**(config or {})), **overrides))
+    if cfg.mesh: return _train_mesh(cfg)  # the mesh lesson's step (degrees checked above)
     acc = _start(cfg)
     set_seed(cfg.seed)  # the same initial weights on every rank
     tok, train_dl, val_dl, model = _setup(cfg, acc)
@@ -195,6 +197,25 @@ def train(config=None, **overrides) -> dict:
              "utilisation": utilisation, "resumed_from": resumed, "choices": chose,
              "threads_per_process": chose["threads"]["threads_per_process"]}
     return _finish(acc, cfg, run, model, tok, before, after, len(val_dl.dataset), extra)
+
+# %% ../nbs/09a_train.ipynb #1b606f64
+def _train_mesh(cfg) -> dict:
+    "`train` on a (dp, tp | cp | pp) mesh: the mesh lesson's step, the trainer's data, evaluation and outputs."
+    acc = _start(cfg)
+    set_seed(cfg.seed)
+    tok, train_dl, val_dl, hf = _setup(cfg, acc)
+    mesh = Mesh(hf, cfg, acc.autocast)
+    val_dl, stream, run = acc.prepare(val_dl), DataStream(mesh.loader(train_dl), cfg.seed), Run(acc, cfg, 0)
+    start_tracking(acc, "distcourse", asdict(cfg))
+    before = _before(acc, run, mesh.hf_model(), val_dl, cfg, None)
+    for step, res in mesh.train_steps(stream, cfg.max_steps, 0, cfg.grad_accum, cfg.max_grad_norm):
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            run.log(step=step, loss=res["loss"], lr=mesh.sched.get_last_lr()[0], tokens=mesh.tokens)
+        if step == cfg.max_steps or cfg.eval_every and step % cfg.eval_every == 0:  # the last one: `after`
+            after = evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task)
+            run.log(step=step, split="val", **after)
+    return _finish(acc, cfg, run, mesh.hf, tok, before, after, len(val_dl.dataset),
+                   {"zero_stage": 0, "parallel": mesh.parallel(), "choices": choices(cfg, acc, cfg.max_steps)})
 
 # %% ../nbs/09a_train.ipynb #4d644f0a
 def fingerprint(cfg, accelerator) -> dict:

@@ -1,0 +1,91 @@
+"The trainer's --tp, --cp and --pp: the losses of one process on the same global batch, model/ whole, bad inputs."
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
+from distcourse.config import ConfigError, parse_args
+from distcourse.train import main
+
+# 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp = 4 × 4 × 1
+ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log_every", "1", "--eval_every", "0",
+        "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300", "--tracker", "none"]
+MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 replicas of a tp pair, 2 × 4 × 2
+          "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"])}
+
+
+def train_losses(out):
+    return [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "split" not in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    "One process, and the same global batch as dp 2 × tp 2, cp 2 and pp 2 (each with a timeout: a hang fails)."
+    tmp = tmp_path_factory.mktemp("mesh")
+    one = run_cli([PY, "-m", "distcourse.train", *ARGS, "--output_dir", str(tmp / "one")], timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for name, (world, flags) in MESHES.items():
+        proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", str(world), "--main_process_port", str(free_port()),
+                        "-m", "distcourse.train", *ARGS, *flags, "--output_dir", str(tmp / name)], timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_mesh_losses_equal_one_process(runs, name):
+    want, got = train_losses(runs / "one"), train_losses(runs / name)
+    assert len(want) == len(got) == 20
+    worst = max(abs(a - b) / abs(a) for a, b in zip(want, got))
+    assert worst <= 1e-4, (name, worst)
+    run = json.loads((runs / name / "run.json").read_text())
+    world, degree = MESHES[name][0], name[-3:-1]
+    assert run["world_size"] == world and run["parallel"][degree] == 2 and run["parallel"]["dp"] == world // 2
+    one = json.loads((runs / "one/run.json").read_text())
+    assert abs(run["final"]["loss"] - one["final"]["loss"]) <= 1e-4 * one["final"]["loss"]  # same validation
+    assert run["final"]["samples"] == one["final"]["samples"]
+    if name == "pp2": assert run["parallel"]["pp_schedule"] == "1f1b" and 0 < run["parallel"]["bubble"] < 1
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_model_saved_whole(runs, name):
+    "model/ of a mesh run loads with from_pretrained and holds the weights one process trained."
+    want = AutoModelForCausalLM.from_pretrained(runs / "one/model").state_dict()
+    got = AutoModelForCausalLM.from_pretrained(runs / name / "model").state_dict()
+    assert got.keys() == want.keys()
+    # All weights as one vector: a key bias (in c_attn.bias) gets a zero gradient in exact arithmetic (softmax
+    # ignores a shift of every score), so AdamW turns float noise there into lr-sized steps, in either run.
+    diff = sum((got[k] - w).pow(2).sum() for k, w in want.items()).sqrt()
+    assert diff / sum(w.pow(2).sum() for w in want.values()).sqrt() <= 1e-4
+    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # still tied
+
+
+BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
+       (["--tp", "2"], 3, "does not divide the world size 3"),
+       (["--pp", "2", "--grad_accum", "1"], 2, "1F1B needs at least as many micro-batches as stages"),
+       (["--pp", "4", "--grad_accum", "4"], 4, "n_layer=2 is fewer than pp=4"),
+       (["--cp", "2", "--seq_len", "30"], 2, "seq_len=30 is not divisible by 2 x cp = 4"),
+       (["--tp", "2", "--cp", "2"], 4, "set the others to 1"),
+       (["--tp", "2", "--task", "cls"], 2, "use --task clm"),
+       (["--tp", "2", "--resume", "latest"], 2, "--resume"),
+       (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose 'gpipe' or '1f1b'")]
+
+
+@pytest.mark.parametrize("flags,world,msg", BAD)
+def test_bad_degrees_refused_before_any_process_group(flags, world, msg, monkeypatch, tmp_path):
+    "Parsing alone refuses them (no process group exists here), naming the numbers and the fix."
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)")) as e:
+        parse_args(["--config", str(ROOT / "configs/tiny.yaml"), *flags, "--output_dir", str(tmp_path / "x")])
+    assert not torch.distributed.is_initialized()
+    print(e.value)
+
+
+def test_cli_refuses_with_exit_2(tmp_path, capsys, monkeypatch):
+    "The command line's entry point says what is wrong on stderr and exits 2, before any process work."
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(ROOT / "configs/tiny.yaml"), "--tp", "3", "--output_dir", str(tmp_path / "x")])
+    assert e.value.code == 2 and "--tp 3: n_head=2 is not divisible by tp=3" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not torch.distributed.is_initialized()
