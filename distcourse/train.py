@@ -193,8 +193,8 @@ def train(config=None, **overrides) -> dict:
                    "flops_per_token": fpt, "peak_flops_all_ranks": all_peak, "peak_per_rank": peak}
     memory["rss_mb_max_all_ranks"] = max((r["rss_mb_max"] for r in recs), default=None)
     memory["rss_mb_min_all_ranks"] = min((r["rss_mb_min"] for r in recs), default=None)
-    extra = {"zero_stage": cfg.zero_stage, "parallel": {"dp": acc.num_processes, "tp": 1}, "memory": memory,
-             "utilisation": utilisation, "resumed_from": resumed, "choices": chose,
+    extra = {"zero_stage": cfg.zero_stage, "parallel": {"dp": acc.num_processes, "tp": 1, "pp": 1, "cp": 1},
+             "memory": memory, "utilisation": utilisation, "resumed_from": resumed, "choices": chose,
              "threads_per_process": chose["threads"]["threads_per_process"]}
     return _finish(acc, cfg, run, model, tok, before, after, len(val_dl.dataset), extra)
 

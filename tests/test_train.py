@@ -34,7 +34,7 @@ def test_outputs(runs):
                 "config", "wall_time_s", "final"):
         assert key in run, key
     assert run["world_size"] == 1 and run["config"]["model"] == "tiny"
-    assert run["parallel"] == {"dp": 1, "tp": 1}
+    assert run["parallel"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
     assert run["memory"]["activation_bytes"] > 0 and run["memory"]["grads_bytes"] > 0
     u = run["utilisation"]
     assert 0 < u["mfu_median"] <= 1  # against a measured matmul rate on CPU, named as such
@@ -62,7 +62,7 @@ def test_two_processes_are_real_and_equal(runs):
     run2 = json.loads((o2 / "run.json").read_text())
     assert run2["world_size"] == 2 and run2["distributed_type"] == "MULTI_CPU"
     train2 = [r for r in records(o2) if "split" not in r]  # every rank's memory, not rank 0's alone
-    assert all(r["rss_mb_min"] <= r["rss_mb_max"] for r in train2) and run2["parallel"] == {"dp": 2, "tp": 1}
+    assert all(r["rss_mb_min"] <= r["rss_mb_max"] for r in train2) and run2["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "cp": 1}
     assert run2["memory"]["rss_mb_max_all_ranks"] >= run2["memory"]["rss_mb_min_all_ranks"] > 0
     assert p2.stdout.count("outputs in") == 1  # only the main process prints the summary
     evals = [r for r in records(o2) if r.get("split") == "val"]
