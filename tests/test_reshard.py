@@ -8,6 +8,7 @@ import pytest
 
 from conftest import PY, run_cli, run_worker
 from distcourse.checkpoint import latest_checkpoint, load_checkpoint
+from distcourse.loop import setup
 from distcourse.reshard import sharded_weights
 
 STEPS, SAVED, GLOBAL = 14, 6, 16  # 11 steps of 16 examples per epoch: the runs cross an epoch boundary
@@ -57,7 +58,7 @@ def check_same_run(straight, resumed, world):
     joined = {**{s: r for s, r in straight.items() if s <= SAVED}, **resumed}  # what the interrupted job consumed
     epochs = {}
     for s in sorted(joined): epochs.setdefault(joined[s]["epoch"], []).extend(joined[s]["ids"])
-    n = 191  # training examples (max_examples=80, packed in blocks of 32 tokens)
+    n = len(setup("clm", 16, 32, 80)[1].dataset)  # training examples: max_examples=80 in blocks of 32 tokens
     assert len(epochs[0]) == (n // GLOBAL) * GLOBAL and len(set(epochs[0])) == len(epochs[0])  # no duplicate
     assert len(epochs[1]) == (STEPS - n // GLOBAL) * GLOBAL and len(set(epochs[1])) == len(epochs[1])
     first = [i for s in range(1, STEPS + 1) if straight[s]["epoch"] == 0 for i in straight[s]["ids"]]
