@@ -9,10 +9,14 @@ __all__ = ['free_port', 'cores', 'launch', 'hello_worker', 'plain_worker', 'aske
 
 # %% ../nbs/02a_launch.ipynb #02a3a7b0
 import json
+import multiprocessing
 import os
 import random
+import shutil
 import socket
+import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,8 +53,23 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 # %% ../nbs/02a_launch.ipynb #c20d7c2a
+def _start_dir(parent, port) -> Path:  # the forking process's pid, the run's rendezvous port
+    return Path(tempfile.gettempdir(), f"distcourse-start-{parent}-{port}")
+
+def _start_line(timeout=120):
+    "In a process that notebook_launcher forked: say it has started, and wait until all its siblings have."
+    if multiprocessing.parent_process() is None or "LOCAL_WORLD_SIZE" not in os.environ: return  # not forked
+    where, n = _start_dir(os.getppid(), os.environ.get("MASTER_PORT")), int(os.environ["LOCAL_WORLD_SIZE"])
+    where.mkdir(exist_ok=True)
+    (where / os.environ["LOCAL_RANK"]).touch()
+    deadline = time.monotonic() + timeout
+    while where.is_dir() and len(os.listdir(where)) < n:  # gone: all started, and one has already cleaned up
+        if time.monotonic() > deadline: raise TimeoutError(f"{len(os.listdir(where))} of {n} processes started")
+        time.sleep(0.005)
+
 def _worker(fn, threads, *args):
-    "Runs in each launched process: a fair share of the cores, `fn`, then leave the process group together."
+    "Runs in each launched process: the start line, a fair share of the cores, `fn`, then leave together."
+    _start_line()  # no connection while a sibling is being forked (see the text)
     torch.set_num_threads(threads)
     for quiet in (disable_datasets_bars, disable_hub_bars, disable_transformers_bar):
         quiet()  # a forked process writes into the notebook's kernel channel: its widget bars arrive as stray messages
@@ -98,8 +117,8 @@ def launch(fn,              # any function: the processes are forks of this one,
     with patch_environment(**env), _fresh_accelerate_state(clear):
         if num_processes == 1: return fn(*args)
         timer = _stop_after(timeout, {p.pid for p in psutil.Process().children(recursive=True)})
-        try: notebook_launcher(_worker, args=(fn, threads, *args), num_processes=num_processes,
-                               use_port=str(port or free_port()))
+        port = port or free_port()
+        try: notebook_launcher(_worker, args=(fn, threads, *args), num_processes=num_processes, use_port=str(port))
         except Exception:
             if timer.fired.is_set():  # the timer stopped them: a hang, not an error of `fn`
                 raise TimeoutError(f"launch: {num_processes} processes still running after {timeout:.0f} s were "
@@ -107,7 +126,9 @@ def launch(fn,              # any function: the processes are forks of this one,
                                    "never called; if the work is just slow, pass timeout= or set "
                                    "DISTCOURSE_LAUNCH_TIMEOUT") from None
             raise
-        finally: timer.cancel()
+        finally:
+            timer.cancel()
+            shutil.rmtree(_start_dir(os.getpid(), port), ignore_errors=True)
 
 
 # %% ../nbs/02a_launch.ipynb #eac535a1
@@ -170,7 +191,10 @@ def verify_world_size(accelerator,
 def make_accelerator(**kwargs) -> Accelerator:
     "An `Accelerator` (kwargs passed on) that is a real process group without GPUs too, its size verified."
     kwargs.setdefault("cpu", not torch.cuda.is_available())  # a plain Accelerator() on CPU: N lone copies
+    _start_line()  # forked by notebook_launcher (e.g. `notebook_launcher(train, ...)`): wait for the siblings
     accelerator = Accelerator(**kwargs)
+    if multiprocessing.parent_process() and accelerator.local_process_index == 0:  # all are past the start line
+        shutil.rmtree(_start_dir(os.getppid(), os.environ.get("MASTER_PORT")), ignore_errors=True)
     verify_world_size(accelerator)
     if accelerator.device.type == "cpu": torch.set_num_threads(cpu_threads(local_processes(accelerator))[0])
     return accelerator

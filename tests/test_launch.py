@@ -3,6 +3,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,23 @@ def test_a_hang_is_stopped_and_said(tmp_path):
     with pytest.raises(TimeoutError, match="2 processes still running after 10 s were stopped"):
         launch(_hang, (tmp_path,), num_processes=2, timeout=10, **CPU)
     assert time.perf_counter() - t0 < 60
+
+
+def _started_before_me(out_dir):
+    "Worker: how many of the processes had started when this one's function began, and whether it was forked."
+    import multiprocessing
+    from distcourse.launch import _start_dir
+    where = _start_dir(os.getppid(), os.environ["MASTER_PORT"])
+    seen = len(os.listdir(where)) if where.is_dir() else 0
+    Path(out_dir, f"{os.environ['LOCAL_RANK']}.json").write_text(
+        json.dumps({"seen": seen, "forked": multiprocessing.parent_process() is not None}))
+
+
+def test_no_process_starts_before_all_are_forked(tmp_path):
+    """A process forked while another thread of the launching one holds a lock inherits it held (measured: glibc's
+    resolver lock, taken by the store thread for the first processes' connections, hung the last one's connection).
+    So every launched function starts only when all processes exist, and the start line is cleaned up after."""
+    port = free_port()
+    launch(_started_before_me, (tmp_path,), num_processes=4, port=port)
+    assert reports(tmp_path) == [{"seen": 4, "forked": True}] * 4
+    assert not any(Path(tempfile.gettempdir()).glob(f"distcourse-start-{os.getpid()}-{port}"))
