@@ -72,8 +72,9 @@ class Config:
     label_column: str = "label"  # the label column (cls)
 
 # What a checkpoint must agree on with the run that resumes it (and the global batch, batch_size x grad_accum x
-# processes, however it is split): the data, the model and everything that shapes the updates, the schedule included.
-FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "seed",
+# processes, however it is split): the data, the model and everything that shapes the updates, the schedule included,
+# and the tp, pp and cp degrees, whose pieces of the model a mesh checkpoint holds (the resharding lesson).
+FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "seed", "tp", "pp", "cp",
                "zero_stage", "max_examples", "text_column", "label_column",
                "lr", "weight_decay", "warmup_steps", "max_steps", "max_grad_norm")
 SCHEDULE = ("lr", "warmup_steps", "max_steps")  # warmup, then cosine decay to 0 at max_steps
@@ -122,15 +123,17 @@ def _resume_path(cfg):
 
 def _check_global_batch(path, state, cfg):
     "`path` if this run's global batch (batch_size x grad_accum x processes) is the saved one, else a ConfigError."
-    world = int(os.getenv("WORLD_SIZE") or os.getenv("DISTCOURSE_WORLD_SIZE") or 1)  # set by every launcher
-    g, now = state["fingerprint"].get("global_batch"), cfg.batch_size * cfg.grad_accum * world
+    inner = cfg.tp * cfg.pp * cfg.cp  # a mesh's processes per data-parallel replica (1 without one)
+    dp = int(os.getenv("WORLD_SIZE") or os.getenv("DISTCOURSE_WORLD_SIZE") or 1) // inner  # set by every launcher
+    g, now = state["fingerprint"].get("global_batch"), cfg.batch_size * cfg.grad_accum * dp
     if g is None or g == now: return path  # the same examples per step, split over any number of processes
     b, ga = state["config"]["batch_size"], state["config"]["grad_accum"]
-    split = {"--batch_size {}": cfg.grad_accum * world, "--grad_accum {}": cfg.batch_size * world,
+    split = {"--batch_size {}": cfg.grad_accum * dp, "--grad_accum {}": cfg.batch_size * dp,
              "{} processes": cfg.batch_size * cfg.grad_accum}  # change one factor, keep the other two
-    fixes = [fix.format(g // rest) for fix, rest in split.items() if g % rest == 0]
+    fixes = [fix.format(g // rest * (inner if "processes" in fix else 1)) for fix, rest in split.items() if g % rest == 0]
+    what = "processes" if inner == 1 else f"dp replicas of {inner} processes"
     raise ConfigError(f"--resume {path}: saved global batch {g} = {b} x {ga} x {g // (b * ga)} (batch_size x "
-                      f"grad_accum x processes); now {cfg.batch_size} x {cfg.grad_accum} x {world} = {now}: "
+                      f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
 def _check_mesh(cfg):
@@ -142,7 +145,7 @@ def _check_mesh(cfg):
     if cfg.model not in PRESETS or cfg.task != "clm":
         raise ConfigError(f"{flags} with --task {cfg.task} --model {cfg.model}: the mesh trains {SUPPORTED}; "
                           f"use --task clm and --model one of {', '.join(PRESETS)}")
-    for k, off in (("zero_stage", 0), ("activation_checkpointing", False), ("resume", ""), ("save_every", 0)):
+    for k, off in (("zero_stage", 0), ("activation_checkpointing", False)):
         if getattr(cfg, k) != off: raise ConfigError(
             f"{flags} with --{k} {getattr(cfg, k)}: not supported on the mesh yet; leave --{k} at {off!r}")
     sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read

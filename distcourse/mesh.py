@@ -201,9 +201,10 @@ def bubble(self: Mesh) -> float:
 @patch
 def loader(self: Mesh, train_dl):  # the trainer's loader, batch_size examples per micro-batch
     "A loader of global micro-batches (batch_size·dp examples), in the order one process would see them."
-    return DataLoader(train_dl.dataset, train_dl.batch_size * self.d["dp"], drop_last=True,
-                      sampler=EpochSampler(len(train_dl.dataset), train_dl.sampler.seed),
-                      collate_fn=train_dl.collate_fn)
+    dl = DataLoader(train_dl.dataset, train_dl.batch_size * self.d["dp"], drop_last=True,
+                    sampler=EpochSampler(len(train_dl.dataset), train_dl.sampler.seed), collate_fn=train_dl.collate_fn)
+    dl.total_batch_size = dl.batch_size  # all replicas' examples per batch, as an Accelerate loader says it
+    return dl
 
 @patch
 def train_steps(self: Mesh, batches, steps, start=0, grad_accum=1, max_grad_norm=1.0):

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['TRACKERS', 'tracker_available', 'resolve_tracker', 'flat_config', 'start_tracking', 'tracker_values', 'log_metrics',
-           'resource_stats', 'read_metrics', 'plot_run', 'main']
+           'resource_stats', 'rank_stats', 'read_metrics', 'plot_run', 'main']
 
 # %% ../nbs/08_tracking.ipynb #e292891d
 import argparse
@@ -18,6 +18,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import psutil
 import torch
+from accelerate.utils import gather_object
 
 
 # %% ../nbs/08_tracking.ipynb #cc9cf426
@@ -82,6 +83,16 @@ def resource_stats(device=None) -> dict: # the model's device: "cpu", "cuda", "c
     try: stats["gpu_util"] = float(torch.cuda.utilization(device))
     except Exception: pass  # no pynvml, or NVML cannot read this GPU: leave the key out rather than log a guess
     return stats
+
+def rank_stats(accelerator) -> dict:
+    "This process's `resource_stats`, and each one's maximum and minimum over all ranks (every rank calls it)."
+    mine = resource_stats(accelerator.device)
+    every = gather_object([mine])  # one dict per rank
+    out = dict(mine)
+    for k in mine:
+        values = [s.get(k, mine[k]) for s in every]  # a GPU may not report its utilisation on every rank
+        out[f"{k}_max"], out[f"{k}_min"] = max(values), min(values)
+    return out
 
 # %% ../nbs/08_tracking.ipynb #da9d9a9e
 def read_metrics(output_dir) -> dict: # a run's directory, holding metrics.jsonl

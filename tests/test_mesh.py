@@ -1,10 +1,13 @@
-"The trainer's --tp, --cp and --pp: the losses of one process on the same global batch, model/ whole, bad inputs."
+"""The trainer's --tp, --cp and --pp: the losses of one process on the same global batch, model/ whole, exact resume,
+bad inputs."""
 import json
+import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import torch.distributed.checkpoint as dcp
 from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
 from distcourse.config import ConfigError, parse_args
 from distcourse.train import main
@@ -22,13 +25,15 @@ def train_losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    "One process, and the same global batch as dp 2 × tp 2, cp 2 and pp 2 (each with a timeout: a hang fails)."
+    """One process, and the same global batch as dp 2 × tp 2, cp 2 and pp 2 (each with a timeout: a hang fails);
+    the mesh runs save checkpoints at steps 10 and 20."""
     tmp = tmp_path_factory.mktemp("mesh")
     one = run_cli([PY, "-m", "distcourse.train", *ARGS, "--output_dir", str(tmp / "one")], timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
     for name, (world, flags) in MESHES.items():
         proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", str(world), "--main_process_port", str(free_port()),
-                        "-m", "distcourse.train", *ARGS, *flags, "--output_dir", str(tmp / name)], timeout=240)
+                        "-m", "distcourse.train", *ARGS, *flags, "--save_every", "10", "--output_dir", str(tmp / name)],
+                       timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp
 
@@ -61,6 +66,47 @@ def test_model_saved_whole(runs, name):
     assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # still tied
 
 
+@pytest.mark.parametrize("name", list(MESHES))
+def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
+    "A copy of the run without its step-20 checkpoint, resumed: steps 11-20 repeat the straight run's losses exactly."
+    world, flags = MESHES[name]
+    again = tmp_path / name
+    shutil.copytree(runs / name, again)
+    shutil.rmtree(again / "checkpoints/step_20")
+    pieces = dcp.FileSystemReader(str(again / "checkpoints/step_10/sharded")).read_metadata().state_dict_metadata
+    names = {k.split(".")[1] for k in pieces}  # custom_0.<piece>.model...: each piece once, whatever the dp copies
+    assert names == {"dp2_tp2": {"tp0", "tp1"}, "cp2": {"whole"}, "pp2": {"pp0", "pp1"}}[name], names
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # the layout is part of the checkpoint: another one is refused
+    with pytest.raises(ConfigError, match=f"--{name[-3:-1]} saved 2, now 1"):
+        parse_args([*ARGS, "--save_every", "10", "--resume", "latest", "--output_dir", str(again)])
+    proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", str(world), "--main_process_port", str(free_port()),
+                    "-m", "distcourse.train", *ARGS, *flags, "--save_every", "10", "--resume", "latest",
+                    "--output_dir", str(again)], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert train_losses(again) == train_losses(runs / name)  # bit for bit: the same layout, the same arithmetic
+    run = json.loads((again / "run.json").read_text())
+    straight = json.loads((runs / name / "run.json").read_text())["parallel"]
+    assert run["resumed_from"]["step"] == 10
+    assert {k: v for k, v in run["parallel"].items() if k != "bubble"} == {k: v for k, v in straight.items() if k != "bubble"}
+
+
+
+def test_mesh_resumes_on_another_dp(runs, tmp_path):
+    "dp 2 × tp 2's step-10 checkpoint resumed by dp 1 × tp 2 (2 processes, twice the batch_size: the same global batch)."
+    again = tmp_path / "tp2"
+    shutil.copytree(runs / "dp2_tp2", again)
+    shutil.rmtree(again / "checkpoints/step_20")
+    proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+                    "-m", "distcourse.train", *ARGS, "--tp", "2", "--batch_size", "4", "--save_every", "10",
+                    "--resume", "latest", "--output_dir", str(again)], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want, got = train_losses(runs / "dp2_tp2"), train_losses(again)
+    assert got[:10] == want[:10] and len(got) == 20  # the first 10 steps are the saved run's records
+    worst = max(abs(a - b) / abs(a) for a, b in zip(want[10:], got[10:]))
+    assert worst <= 1e-4, worst  # the same examples and weights; only the order of a sum differs
+    assert json.loads((again / "run.json").read_text())["parallel"]["dp"] == 1
+
+
 BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
        (["--tp", "2"], 3, "does not divide the world size 3"),
        (["--pp", "2", "--grad_accum", "1"], 2, "1F1B needs at least as many micro-batches as stages"),
@@ -68,7 +114,6 @@ BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
        (["--cp", "2", "--seq_len", "30"], 2, "seq_len=30 is not divisible by 2 x cp = 4"),
        (["--tp", "2", "--cp", "2"], 4, "set the others to 1"),
        (["--tp", "2", "--task", "cls"], 2, "use --task clm"),
-       (["--tp", "2", "--resume", "latest"], 2, "--resume"),
        (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose 'gpipe' or '1f1b'")]
 
 
