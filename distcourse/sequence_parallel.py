@@ -36,7 +36,7 @@ def _reduce_scatter(t, group, direction, log):  # (B, T, C) -> (B, T/tp, C): thi
     dist.reduce_scatter_single(out, x, group=group)
     return out.transpose(0, 1)
 
-# %% ../nbs/05d_sequence_parallel.ipynb #ce98333b
+# %% ../nbs/05d_sequence_parallel.ipynb #0430753c
 class GatherFromSP(torch.autograd.Function):
     "All-gather along the sequence forward, reduce-scatter backward (f under sequence parallelism)."
     @staticmethod
