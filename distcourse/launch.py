@@ -191,10 +191,7 @@ def verify_world_size(accelerator,
 def make_accelerator(**kwargs) -> Accelerator:
     "An `Accelerator` (kwargs passed on) that is a real process group without GPUs too, its size verified."
     kwargs.setdefault("cpu", not torch.cuda.is_available())  # a plain Accelerator() on CPU: N lone copies
-    _start_line()  # forked by notebook_launcher (e.g. `notebook_launcher(train, ...)`): wait for the siblings
     accelerator = Accelerator(**kwargs)
-    if multiprocessing.parent_process() and accelerator.local_process_index == 0:  # all are past the start line
-        shutil.rmtree(_start_dir(os.getppid(), os.environ.get("MASTER_PORT")), ignore_errors=True)
     verify_world_size(accelerator)
     if accelerator.device.type == "cpu": torch.set_num_threads(cpu_threads(local_processes(accelerator))[0])
     return accelerator
