@@ -186,7 +186,7 @@ def _hang(out_dir):
 def test_a_hang_is_stopped_and_said(tmp_path):
     import time
     t0 = time.perf_counter()
-    with pytest.raises(TimeoutError, match="2 processes still running after 10 s were stopped"):
+    with pytest.raises(TimeoutError, match="processes still running after 10 s were stopped"):
         launch(_hang, (tmp_path,), num_processes=2, timeout=10, **CPU)
     assert time.perf_counter() - t0 < 60
 
