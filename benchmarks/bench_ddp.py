@@ -47,7 +47,8 @@ def worker(port, threads, bench: dict):
         grads = torch.zeros(sum(p.numel() for p in step.model.parameters()))
         for _ in range(3):
             dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(grads); comm.append(time.perf_counter() - t0)
-    if conn: conn.sendall((json.dumps({"allreduce_s": comm, "threads": torch.get_num_threads(),
+    if conn: conn.sendall((json.dumps({"allreduce_s": comm, "allreduce_bytes": 4 * len(grads) if comm else 0,
+                                       "threads": torch.get_num_threads(),
                                        "distributed_type": acc.distributed_type.value}) + "\n").encode())
     acc.free_memory(); del step  # free DDP's reducer while the group is alive (else exit can hang in gloo)
     acc.wait_for_everyone(); acc.end_training()  # leave the process group together
@@ -123,7 +124,8 @@ def summarize(runs, b, cores) -> dict:
             "paired_iqr": statistics.quantiles(paired, n=4)[::2] if len(paired) > 1 else paired * 2,
             "tokens_per_s": {f"1x{runs[1]['threads']}": tps[1], f"2x{runs[2]['threads']}": tps[2]},
             "step_s": {str(w): r["step_s"] for w, r in runs.items()},
-            "allreduce_s": allreduce, "allreduce_share": allreduce / statistics.median(runs[2]["step_s"]),
+            "allreduce_s": allreduce, "allreduce_bytes": runs[2]["allreduce_bytes"],
+            "allreduce_share": allreduce / statistics.median(runs[2]["step_s"]),
             "distributed_type": {str(w): r["distributed_type"] for w, r in runs.items()}, "bench": asdict(b),
             "compared": f"1 process x {runs[1]['threads']} threads, batch {b.batch_size} vs 2 processes x "
                         f"{runs[2]['threads']} threads, batch {b.batch_size // 2} each (the same global batch), "

@@ -29,12 +29,13 @@ for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"): os.e
 import accelerate, datasets, tokenizers, torch, transformers  # noqa: E402
 
 import distcourse  # noqa: E402
-from distcourse.comm import TIMED, measure_collectives  # noqa: E402
+from distcourse.comm import TIMED, measure_collectives, predicted_all_reduce_s  # noqa: E402
 from distcourse.launch import make_accelerator  # noqa: E402
 from distcourse.gpt import flops_per_token  # noqa: E402
 from distcourse.model import num_params  # noqa: E402
 
 from bench_data import data_throughput, padding_waste  # noqa: E402
+import bench_comm  # noqa: E402
 import bench_ddp  # noqa: E402
 from bench_tp import measure_tp  # noqa: E402
 from bench_steps import Bench, DistcourseStep, Matmul, TorchLoop, build, hf_trainer, take_turns  # noqa: E402
@@ -193,6 +194,11 @@ def table(res) -> str:
             for c in TIMED:
                 mine = [r for r in rows if r["collective"] == c]
                 lines.append(f"| {c} | {n} | {mine[0]['seconds'] * 1e6:,.0f} | {mine[-1]['busbw'] / 1e9:.2f} |")
+        ddp = res.get("ddp") or {}
+        if "allreduce_predicted_s" in ddp:
+            lines += ["", f"DDP's all-reduce of every gradient ({ddp['allreduce_bytes'] / 1e6:.1f} MB, 2 processes): "
+                          f"measured {ddp['allreduce_s'] * 1e3:.1f} ms, predicted from this table "
+                          f"{ddp['allreduce_predicted_s'] * 1e3:.1f} ms (lesson 03a); the plot is comm.png"]
     if res.get("tp"):
         tp, m = res["tp"], res["tp"]["size"]["model"]
         lines += ["", f"Tensor parallelism (lesson 05c's layers), GPT {m['n_layer']} x {m['n_embd']}, batch "
@@ -256,6 +262,10 @@ def main(argv=None):
         res["comm"] = measure_collectives(worlds, max_mib, repeats=2 if mode == "smoke" else 5)
         res["comm_busbw_largest"] = {f"{c}/{n}": [r for r in rows if r["collective"] == c][-1]["busbw"]
                                      for n, rows in res["comm"].items() for c in TIMED}
+        if res["ddp"]:  # lesson 03a's prediction of DDP's all-reduce from this table, beside its measurement
+            ddp = res["ddp"]
+            ddp["allreduce_predicted_s"] = predicted_all_reduce_s(res["comm"][2], ddp["allreduce_bytes"])
+        bench_comm.plot(res["comm"], Path(args.out) / "comm.png")
     sections["comm"], t = time.time() - t, time.time()
     res["tp"] = None if args.no_tp or CUDA else measure_tp("smoke" if mode == "smoke" else "quick")  # lesson 05c
     sections["tp"], t = time.time() - t, time.time()

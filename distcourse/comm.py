@@ -4,10 +4,11 @@
 
 # %% auto #0
 __all__ = ['COLLECTIVES', 'TIMED', 'tensor_bytes', 'count_collectives', 'ring_bytes_sent', 'bus_factor', 'comm_worker',
-           'measure_collectives']
+           'measure_collectives', 'predicted_all_reduce_s']
 
 # %% ../nbs/03a_collectives.ipynb #d12c2b20
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -113,3 +114,16 @@ def measure_collectives(worlds=(2, 4), max_mib=16, repeats=5) -> dict:
     with tempfile.TemporaryDirectory() as d:
         for n in worlds: launch(comm_worker, (d, sizes, repeats), num_processes=n)
         return {n: json.loads(Path(d, f"comm-{n}.json").read_text()) for n in worlds}
+
+# %% ../nbs/03a_collectives.ipynb #a3f1c2d4
+def predicted_all_reduce_s(rows,    # measured rows, as `measure_collectives` gives them for one world size
+                           nbytes,  # the payload of the all-reduce
+                          ) -> float:
+    "Seconds for an all-reduce of `nbytes`: interpolated (log-log) in the measured rows, or at the largest's speed."
+    pts = sorted((r["bytes"], r["seconds"]) for r in rows if r["collective"] == "all_reduce")
+    if nbytes >= pts[-1][0]: return nbytes * pts[-1][1] / pts[-1][0]  # beyond the table: its best bandwidth
+    i = next((k for k in range(1, len(pts)) if pts[k][0] >= nbytes), len(pts) - 1)  # the segment around nbytes
+    (b0, s0), (b1, s1) = pts[i - 1], pts[i]
+    f = math.log(nbytes / b0) / math.log(b1 / b0)
+    return math.exp(math.log(s0) + f * (math.log(s1) - math.log(s0)))
+

@@ -21,11 +21,11 @@ def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = run_cli([*RUN, "--out", str(out)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+    return json.loads((out / "results.json").read_text()), (out / "results.md").read_text(), out
 
 
 def test_results_have_every_field(smoke):
-    res, _ = smoke
+    res = smoke[0]
     for k in ("loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "data_tokens_per_s", "mfu", "peak_flops"):
         assert number(res[k]) and res[k] > 0, k
     assert res["mfu"] == res["mfu_by_contender"]["distcourse"] and res["peak"]["flops_per_s"] == res["peak_flops"]
@@ -49,7 +49,7 @@ def test_tensor_parallel_fields(smoke):
 
 
 def test_padding_and_data_fields(smoke):
-    res, _ = smoke
+    res = smoke[0]
     pw = res["padding_waste"]
     assert pw["packing"] == 0                      # packed blocks hold no padding, by construction
     assert 0 <= pw["dynamic"] <= pw["fixed"] < 1   # a batch padded to its longest never exceeds seq_len
@@ -61,10 +61,14 @@ def test_two_processes_were_one_gloo_group(smoke):
     assert ddp["distributed_type"] == {"1": "NO", "2": "MULTI_CPU"}  # not two lone copies
     assert ddp["ddp2_efficiency"] == smoke[0]["ddp2_efficiency"] and len(ddp["step_s"]["2"]) == ddp["bench"]["steps"]
     assert number(ddp["allreduce_s"]) and ddp["allreduce_s"] > 0
+    # lesson 03a's prediction of that all-reduce from the bus-bandwidth table, beside it; the table drawn
+    assert ddp["allreduce_bytes"] > 0 and ddp["allreduce_bytes"] % 4 == 0  # every fp32 gradient
+    assert number(ddp["allreduce_predicted_s"]) and ddp["allreduce_predicted_s"] > 0
+    assert "predicted from this table" in smoke[1] and (smoke[2] / "comm.png").stat().st_size > 0
 
 
 def test_targets_and_markdown_table(smoke):
-    res, md = smoke
+    res, md = smoke[0], smoke[1]
     assert set(res["targets"]) == {"loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "padding_waste_packing",
                                    "main_job_vs_best_path"}
     assert res["targets"]["main_job_vs_best_path"]["met"] is None  # measured only with --paths
