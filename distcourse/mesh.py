@@ -19,6 +19,7 @@ from .gpt import GPT, GPTConfig, load_gpt2_weights
 from .loaders import EpochSampler
 from .loop import make_optimizer, make_scheduler
 from .pipeline import GPTStage, bubble_fraction, check_pp, pipeline_step, pp_groups
+from .recompute import measure_saved_bytes
 from .tensor_parallel import check_tp, gather_full_state, tensor_parallel, tp_grad_norm
 
 # %% ../nbs/05g_mesh.ipynb #9c0f08fa
@@ -112,25 +113,33 @@ class Mesh:
         x, labels = (batch[k].chunk(self.d["dp"])[self.dp_rank] for k in ("input_ids", "labels"))
         return x, F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
 
-# %% ../nbs/05g_mesh.ipynb #bcc5a7be
+# %% ../nbs/05g_mesh.ipynb #f3b1c2d4
+@patch
+def _forward(self: Mesh, x, y):  # this rank's rows of one micro-batch: (b, T) token ids and targets
+    "This rank's piece's forward: the summed loss of its tokens (a stage but the last: its output (b, T, C))."
+    cp = self.d["cp"]
+    if cp > 1:  # this rank's zig-zag chunks of every sequence, attention by ring
+        r = dist.get_rank(self.g["inner"])
+        x, y = zigzag_split(x, r, cp), zigzag_split(y, r, cp)
+        pos = zigzag_positions(x.size(1) * cp, r, cp)  # where this rank's tokens sit
+        logits = cp_forward(self.model, x, pos, self.g["inner"])  # (b, T/cp, V)
+    elif self.d["pp"] > 1:
+        logits = self.model(x)  # (b, T, V) on the last stage
+        if not self.model.is_last: return logits
+    else: logits = self.model(x)[0]
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100, reduction="sum")
+
 @patch
 def _loss_sums(self: Mesh, micro, n):  # micro: this rank's [(x, y)]; n: tokens of the global batch
     "Forward and backward of every micro-batch; the summed loss of this rank's tokens."
-    total, cp = torch.zeros(()), self.d["cp"]
+    total = torch.zeros(())
     for x, y in micro:
-        with self.autocast():
-            if cp > 1:  # this rank's zig-zag chunks of every sequence, attention by ring
-                r = dist.get_rank(self.g["inner"])
-                x, y = zigzag_split(x, r, cp), zigzag_split(y, r, cp)
-                pos = zigzag_positions(x.size(1) * cp, r, cp)  # where this rank's tokens sit
-                logits = cp_forward(self.model, x, pos, self.g["inner"])  # (b, T/cp, V)
-            else: logits = self.model(x)[0]
-            s = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100,
-                                reduction="sum")
+        with self.autocast(): s = self._forward(x, y)
         (s / n).backward()  # d(Σ token losses / tokens of the global batch)
         total += s.detach()
     return total
 
+# %% ../nbs/05g_mesh.ipynb #bcc5a7be
 @patch
 def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(x, y)] of one optimizer step
     "One optimizer step, equal to one process on the global batch: loss, clipping, AdamW, schedule."
@@ -212,3 +221,14 @@ def train_steps(self: Mesh, batches, steps, start=0, grad_accum=1, max_grad_norm
     for step in range(start + 1, steps + 1):
         micro = [self.rows(next(batches)) for _ in range(grad_accum)]
         yield step, self.step(micro, max_grad_norm)
+
+# %% ../nbs/05g_mesh.ipynb #5a4b3c2d
+@patch
+def activation_bytes(self: Mesh, batch) -> int:  # one global micro-batch {input_ids, labels}, as `rows` takes
+    "Bytes one micro-batch's forward keeps for backward on this rank's piece, parameters excluded; no step."
+    x, y = self.rows(batch)
+    if self.d["pp"] > 1 and not self.model.is_first:  # what the stage before sends: (b, T, C) activations
+        x = torch.zeros(*x.shape, self.model.config.n_embd, requires_grad=True)
+    weights = [*self.model.parameters(), *self.model.buffers()]
+    with torch.random.fork_rng(devices=[]), self.autocast():  # dropout's draws: training's RNG left as it was
+        return measure_saved_bytes(lambda: self._forward(x, y), skip=weights)

@@ -16,7 +16,12 @@ from distcourse.train import main
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log_every", "1", "--eval_every", "0",
         "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300", "--tracker", "none"]
 MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 replicas of a tp pair, 2 × 4 × 2
-          "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"])}
+          "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"]),
+          "tp2": (2, ["--tp", "2"]),  # one tp pair, the issue's command: 4 × 4 × 1
+          "dp2_pp2": (4, ["--pp", "2", "--batch_size", "2", "--pp_schedule", "gpipe"])}  # 2 pipelines, 2 × 4 × 2
+# Resumed from their checkpoints: one layout per piece kind. tp2 and dp2_pp2 save the same pieces as dp2_tp2 and
+# pp2 (tp<i>, pp<i>; dp copies written once, which dp2_tp2 covers), and tp2 resumes dp2_tp2's checkpoint below.
+RESUMED = ["dp2_tp2", "cp2", "pp2"]
 
 
 def train_losses(out):
@@ -25,14 +30,15 @@ def train_losses(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process, and the same global batch as dp 2 × tp 2, cp 2 and pp 2 (each with a timeout: a hang fails);
-    the mesh runs save checkpoints at steps 10 and 20."""
+    """One process, and the same global batch on every mesh (each with a timeout: a hang fails); the RESUMED
+    layouts save checkpoints at steps 10 and 20."""
     tmp = tmp_path_factory.mktemp("mesh")
     one = run_cli([PY, "-m", "distcourse.train", *ARGS, "--output_dir", str(tmp / "one")], timeout=240)
     assert one.returncode == 0, one.stderr[-3000:]
     for name, (world, flags) in MESHES.items():
         proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", str(world), "--main_process_port", str(free_port()),
-                        "-m", "distcourse.train", *ARGS, *flags, "--save_every", "10", "--output_dir", str(tmp / name)],
+                        "-m", "distcourse.train", *ARGS, *flags, "--save_every", "10" if name in RESUMED else "0",
+                        "--output_dir", str(tmp / name)],
                        timeout=240)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp
@@ -51,6 +57,29 @@ def test_mesh_losses_equal_one_process(runs, name):
     assert abs(run["final"]["loss"] - one["final"]["loss"]) <= 1e-4 * one["final"]["loss"]  # same validation
     assert run["final"]["samples"] == one["final"]["samples"]
     if name == "pp2": assert run["parallel"]["pp_schedule"] == "1f1b" and 0 < run["parallel"]["bubble"] < 1
+    print(f"{name}: largest relative loss difference {worst:.1e} over 20 steps")
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_mesh_records_mfu_memory(runs, name):
+    "Every train record of a mesh run carries MFU (whole model's FLOPs over all ranks' peak) and every rank's memory."
+    recs = [r for r in map(json.loads, open(runs / name / "metrics.jsonl")) if "split" not in r]
+    assert all(0 < r["mfu"] <= 1 and r["rss_mb_max"] >= r["rss_mb_min"] > 0 and r["tokens_per_s"] > 0
+               for r in recs), recs[0]
+    run = json.loads((runs / name / "run.json").read_text())
+    u, one = run["utilisation"], json.loads((runs / "one/run.json").read_text())["utilisation"]
+    assert u["flops_per_token"] == one["flops_per_token"]  # the whole model's, as one process counts it
+    assert 0 < u["mfu_median"] <= 1 and u["peak_per_rank"]["used"] == "measured"
+    assert run["memory"]["activation_bytes"] > 0
+    assert run["memory"]["rss_mb_max_all_ranks"] >= run["memory"]["rss_mb_min_all_ranks"] > 0
+    print(f"{name}: MFU median {u['mfu_median']:.2%}, activation bytes {run['memory']['activation_bytes']}")
+
+
+def test_tp_saves_less_for_backward(runs):
+    "tp 2 holds a tp rank's share of each block's activations: fewer bytes than one process, on the same micro-batch."
+    saved = {n: json.loads((runs / n / "run.json").read_text())["memory"]["activation_bytes"] for n in ("one", "tp2")}
+    print(saved, f"tp2 / one = {saved['tp2'] / saved['one']:.2f}")
+    assert saved["tp2"] < saved["one"]
 
 
 @pytest.mark.parametrize("name", list(MESHES))
@@ -66,7 +95,7 @@ def test_model_saved_whole(runs, name):
     assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # still tied
 
 
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", RESUMED)
 def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
     "A copy of the run without its step-20 checkpoint, resumed: steps 11-20 repeat the straight run's losses exactly."
     world, flags = MESHES[name]
