@@ -94,7 +94,9 @@ def train_step(accelerator, model, optimizer, scheduler,  # prepared by `acceler
             accelerator.backward(s * scale)
         total += s.detach().float()
     accelerator.sync_gradients = True  # the prepared optimizer steps only when this is set
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    clip = getattr(optimizer, "clip_grad_norm_", None)  # ZeRO-2 by hand (lesson 05a) holds the reduced grads
+    grad_norm = clip(max_grad_norm) if clip else accelerator.clip_grad_norm_(model.parameters(),
+                                                                             max_grad_norm)
     optimizer.step()
     if not accelerator.optimizer_step_was_skipped:  # (fp16 overflow) once per step, whatever the process count
         (scheduler.scheduler if isinstance(scheduler, AcceleratedScheduler) else scheduler).step()

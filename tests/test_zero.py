@@ -131,6 +131,47 @@ def test_traffic(measured):
     assert close(sent[3] / sent[0], 1.5, 0.001)
 
 
+# ------------------------------------------------------------------ ZeRO-2 by hand (no DDP)
+@pytest.fixture(scope="module")
+def by_hand(tmp_path_factory):
+    "DDP, then stage 2 by hand (reduce-scatter, AdamW on the slice, all-gather), 8 steps, 2 processes."
+    return launch_worker(tmp_path_factory.mktemp("zero2_by_hand"), stages=[0, 2], steps=8, zero2="flat")
+
+
+def test_zero2_by_hand_same_training(by_hand, measured, tmp_path):
+    "Within LOSS_TOL of DDP (measured 1.9e-6: clipping's norm, summed in another order); exact unclipped."
+    assert by_hand[0]["losses"] == measured[0]["losses"]  # the reference: the same DDP run as the fixture's
+    worst = max(abs(a - b) for a, b in zip(by_hand[2]["losses"], by_hand[0]["losses"]))
+    assert worst <= LOSS_TOL and by_hand[2]["weight_diff"] <= 1e-5, (worst, by_hand[2]["weight_diff"])
+    res = launch_worker(tmp_path, stages=[0, 2], steps=3, grad_accum=2, max_grad_norm=float("inf"),
+                        zero2="flat")
+    assert res[2]["losses"] == res[0]["losses"] and res[2]["weight_diff"] == 0.0  # exact, 2 micro-batches
+    scattered = res[2]["comm"]["reduce_scatter_single"]
+    assert scattered == by_hand[2]["comm"]["reduce_scatter_single"]  # once per step, as with 1 micro-batch
+
+
+def test_zero2_by_hand_traffic(by_hand, measured):
+    "The flat buffer crosses the wire twice per step (2Ψ; stage 1 on DDP: 3Ψ); no gradient is all-reduced."
+    P, comm = measured["n_params"], by_hand[2]["comm"]
+    assert set(comm) == {"reduce_scatter_single", "all_gather_single", "all_reduce"}, comm
+    for name in ("reduce_scatter_single", "all_gather_single"):
+        assert 0 <= comm[name] - 4 * P <= 4 * 2, comm  # Ψ, plus at most one padding number per group
+    assert comm["all_reduce"] <= 16, comm  # the token count, the loss and the clipping norm's Σg²: 16 bytes
+    sent = ring_bytes_sent(comm, 2)
+    assert close(sent / ring_bytes_sent(measured[1]["comm"], 2), 2 / 3, 0.001)  # ZeRO-1 on DDP: 3Ψ
+    assert close(sent / ring_bytes_sent(measured[0]["comm"], 2), 1, 0.001)  # DDP's all-reduce: the same 2Ψ
+
+
+def test_zero2_by_hand_memory(by_hand, measured):
+    "Every rank: half of DDP's AdamW state, and of the gradient only its slice (the model's .grad are freed)."
+    P, ddp = measured["n_params"], measured[0]["memory"][0]
+    for m in by_hand[2]["memory"]:
+        assert close(m["optimizer_bytes"], ddp["optimizer_bytes"] / 2, 0.05), m
+        assert close(m["optimizer_bytes"], ddp["optimizer_bytes"] / 2, 1e-4), m  # 2,563,080 of 5,126,256
+        assert 0 <= m["grads_bytes"] - 4 * P / 2 <= 4 * 2, m  # measured: 1,281,536 = 4 bytes × Ψ/2
+        assert m["forward_params_bytes"] == m["params_bytes"] == ddp["params_bytes"]  # weights stay whole
+
+
 def test_accumulation(tmp_path, measured):
     "2 micro-batches per step: stages 2-3 match DDP, and gradients cross the wire once per optimizer step."
     res = launch_worker(tmp_path, stages=[0, 2, 3], steps=3, grad_accum=2)
