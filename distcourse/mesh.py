@@ -23,7 +23,7 @@ from .recompute import measure_saved_bytes
 from .tensor_parallel import check_tp, gather_full_state, tensor_parallel, tp_grad_norm
 
 # %% ../nbs/05g_mesh.ipynb #9c0f08fa
-SUPPORTED = "dp x tp, dp x cp or dp x pp: one of --tp, --cp, --pp above 1 (GPT-2 presets, --task clm)"
+SUPPORTED = "dp x tp x cp or dp x pp: --tp and --cp together, --pp alone (GPT-2 presets, --task clm)"
 
 def check_degrees(world_size,        # processes of the run
                   tp=1, pp=1, cp=1,  # tensor-, pipeline- and context-parallel degrees
@@ -35,8 +35,9 @@ def check_degrees(world_size,        # processes of the run
     "The degrees {dp, tp, pp, cp} of the mesh, or a ValueError naming the numbers and the fix."
     for name, d in (("tp", tp), ("pp", pp), ("cp", cp)):
         if d < 1: raise ValueError(f"{name}={d}: a degree must be at least 1")
-    if sum(d > 1 for d in (tp, pp, cp)) > 1:
-        raise ValueError(f"tp={tp}, pp={pp}, cp={cp}: this trainer composes {SUPPORTED}; set the others to 1")
+    if pp > 1 and tp * cp > 1:
+        raise ValueError(f"tp={tp}, pp={pp}, cp={cp}: --pp does not compose with --tp or --cp yet; "
+                         f"this trainer composes {SUPPORTED}: set tp and cp to 1, or pp to 1")
     if config is not None:  # the model first: its fix (another degree) may change the process count
         check_tp(config, tp)
         check_pp(config.n_layer, pp, grad_accum if pp > 1 else None, schedule)
@@ -50,12 +51,13 @@ def check_degrees(world_size,        # processes of the run
 
 # %% ../nbs/05g_mesh.ipynb #a8289fab
 def mesh_layout(world_size, tp=1, pp=1, cp=1) -> dict:
-    "The groups of ranks of a (dp, pp, tp·cp) mesh; rank = (dp_index·pp + stage)·tp·cp + inner index."
-    inner, dp = tp * cp, world_size // (tp * pp * cp)
-    def rank(d, p, i): return (d * pp + p) * inner + i
-    return {"inner": [[rank(d, p, i) for i in range(inner)] for d in range(dp) for p in range(pp)],
-            "pp": [[rank(d, p, i) for p in range(pp)] for d in range(dp) for i in range(inner)],
-            "dp": [[rank(d, p, i) for d in range(dp)] for p in range(pp) for i in range(inner)]}
+    "The groups of a (dp, pp, cp, tp) mesh; rank = (dp_index·pp + stage)·tp·cp + cp_index·tp + tp_index."
+    D, P, C, T = range(world_size // (tp * pp * cp)), range(pp), range(cp), range(tp)
+    def rank(d, p, c, t): return (d * pp + p) * tp * cp + c * tp + t
+    return {"tp": [[rank(d, p, c, t) for t in T] for d in D for p in P for c in C],
+            "cp": [[rank(d, p, c, t) for c in C] for d in D for p in P for t in T],
+            "pp": [[rank(d, p, c, t) for p in P] for d in D for c in C for t in T],
+            "dp": [[rank(d, p, c, t) for d in D] for p in P for c in C for t in T]}
 
 def my_groups(layout, rank) -> dict:
     "This rank's process group on each axis of `layout` (every rank creates every group, in the same order)."
@@ -88,7 +90,7 @@ def load_into_hf(hf, state):  # state: GPT-named full weights, e.g. gather_full_
 
 # %% ../nbs/05g_mesh.ipynb #be8f6fdf
 class Mesh:
-    "One rank's part of a (dp, tp | cp | pp) mesh: its model piece, groups, AdamW + schedule, and its step."
+    "One rank's part of a (dp, tp × cp | pp) mesh: its model piece, groups, AdamW + schedule, and its step."
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
                  cfg,             # a trainer Config, or anything with its tp, pp, cp (checked),
                                   # pp_schedule, lr, weight_decay, warmup_steps and max_steps
@@ -102,7 +104,7 @@ class Mesh:
             self.pipe = pp_groups(d["pp"])
         self.dp_rank = self.g["dp_ranks"].index(rank)
         gpt, self.timeline = to_gpt(hf), []
-        if d["tp"] > 1: self.model = tensor_parallel(gpt, self.g["inner"])
+        if d["tp"] > 1: self.model = tensor_parallel(gpt, self.g["tp"])  # under cp too: cp_forward runs it
         elif d["pp"] > 1: self.model = GPTStage(gpt, self.g["pp_ranks"].index(rank), d["pp"])
         else: self.model = gpt
         self.opt = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
@@ -119,10 +121,10 @@ def _forward(self: Mesh, x, y):  # this rank's rows of one micro-batch: (b, T) t
     "This rank's piece's forward: the summed loss of its tokens (a stage but the last: its output (b, T, C))."
     cp = self.d["cp"]
     if cp > 1:  # this rank's zig-zag chunks of every sequence, attention by ring
-        r = dist.get_rank(self.g["inner"])
+        r = dist.get_rank(self.g["cp"])
         x, y = zigzag_split(x, r, cp), zigzag_split(y, r, cp)
         pos = zigzag_positions(x.size(1) * cp, r, cp)  # where this rank's tokens sit
-        logits = cp_forward(self.model, x, pos, self.g["inner"])  # (b, T/cp, V)
+        logits = cp_forward(self.model, x, pos, self.g["cp"])  # (b, T/cp, V)
     elif self.d["pp"] > 1:
         logits = self.model(x)  # (b, T, V) on the last stage
         if not self.model.is_last: return logits
@@ -155,14 +157,14 @@ def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(
     grads = [p.grad for p in self.model.parameters() if p.grad is not None]
     for g in grads: dist.all_reduce(g, group=self.g["dp"])  # Σ over data-parallel replicas
     if self.d["cp"] > 1:
-        for g in grads: dist.all_reduce(g, group=self.g["inner"])  # Σ over the sequence's chunks
+        for g in grads: dist.all_reduce(g, group=self.g["cp"])  # Σ over the sequence's chunks
     norm = self.grad_norm()
     scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_
     for g in grads: g.mul_(scale)
     self.opt.step()
     self.sched.step()
     self.opt.zero_grad(set_to_none=True)
-    if self.d["cp"] > 1: dist.all_reduce(total, group=self.g["inner"])
+    if self.d["cp"] > 1: dist.all_reduce(total, group=self.g["cp"])
     dist.all_reduce(total, group=self.g["dp"])
     self.tokens += int(n)  # seen so far
     return {"loss": (total / n).item(), "tokens": int(n), "grad_norm": norm.item()}
@@ -171,7 +173,7 @@ def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(
 @patch
 def grad_norm(self: Mesh) -> torch.Tensor:
     "The norm of the gradient one process would hold, from this rank's (already summed) gradients."
-    if self.d["tp"] > 1: return tp_grad_norm(self.model, self.g["inner"])
+    if self.d["tp"] > 1: return tp_grad_norm(self.model, self.g["tp"])  # under cp: after the Σ over cp
     sq = sum(p.grad.pow(2).sum() for n, p in self.model.named_parameters()
              if p.grad is not None and not (self.d["pp"] > 1 and n == "lm_head.weight"))  # tied: once
     if self.d["pp"] > 1: dist.all_reduce(sq, group=self.pipe.pipe)  # every stage's share

@@ -100,7 +100,7 @@ class MeshState:
     def piece(self) -> str:
         "This rank's piece: its tp index or pipeline stage, or 'whole' where every rank holds all the weights (cp)."
         m = self.mesh
-        if m.d["tp"] > 1: return f"tp{dist.get_rank(m.g['inner'])}"
+        if m.d["tp"] > 1: return f"tp{dist.get_rank(m.g['tp'])}"
         return f"pp{m.model.stage}" if m.d["pp"] > 1 else "whole"
 
     def state_dict(self) -> dict:

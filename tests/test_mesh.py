@@ -1,6 +1,7 @@
 """The trainer's --tp, --cp and --pp: the losses of one process on the same global batch, model/ whole, exact resume,
 bad inputs."""
 import json
+import re
 import shutil
 
 import pytest
@@ -18,9 +19,11 @@ ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log
 MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 replicas of a tp pair, 2 × 4 × 2
           "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"]),
           "tp2": (2, ["--tp", "2"]),  # one tp pair, the issue's command: 4 × 4 × 1
-          "dp2_pp2": (4, ["--pp", "2", "--batch_size", "2", "--pp_schedule", "gpipe"])}  # 2 pipelines, 2 × 4 × 2
+          "dp2_pp2": (4, ["--pp", "2", "--batch_size", "2", "--pp_schedule", "gpipe"]),  # 2 pipelines: 2×4×2
+          "tp2_cp2": (4, ["--tp", "2", "--cp", "2"])}  # one replica: 2 cp ranks of a tp pair each, 4 × 4 × 1
 # Resumed from their checkpoints: one layout per piece kind. tp2 and dp2_pp2 save the same pieces as dp2_tp2 and
 # pp2 (tp<i>, pp<i>; dp copies written once, which dp2_tp2 covers), and tp2 resumes dp2_tp2's checkpoint below.
+# tp2_cp2 saves the same tp<i> pieces, its cp copies once as dp copies: its resume would add a 4-process run.
 RESUMED = ["dp2_tp2", "cp2", "pp2"]
 
 
@@ -51,8 +54,8 @@ def test_mesh_losses_equal_one_process(runs, name):
     worst = max(abs(a - b) / abs(a) for a, b in zip(want, got))
     assert worst <= 1e-4, (name, worst)
     run = json.loads((runs / name / "run.json").read_text())
-    world, degree = MESHES[name][0], name[-3:-1]
-    assert run["world_size"] == world and run["parallel"][degree] == 2 and run["parallel"]["dp"] == world // 2
+    degrees = {"dp": 1, **{k: int(v) for k, v in re.findall(r"(dp|tp|cp|pp)(\d)", name)}}  # tp2_cp2: 2, 2
+    assert run["world_size"] == MESHES[name][0] and {k: run["parallel"][k] for k in degrees} == degrees
     one = json.loads((runs / "one/run.json").read_text())
     assert abs(run["final"]["loss"] - one["final"]["loss"]) <= 1e-4 * one["final"]["loss"]  # same validation
     assert run["final"]["samples"] == one["final"]["samples"]
@@ -141,7 +144,7 @@ BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
        (["--pp", "2", "--grad_accum", "1"], 2, "1F1B needs at least as many micro-batches as stages"),
        (["--pp", "4", "--grad_accum", "4"], 4, "n_layer=2 is fewer than pp=4"),
        (["--cp", "2", "--seq_len", "30"], 2, "seq_len=30 is not divisible by 2 x cp = 4"),
-       (["--tp", "2", "--cp", "2"], 4, "set the others to 1"),
+       (["--tp", "2", "--pp", "2"], 4, "--pp does not compose with --tp or --cp yet"),
        (["--tp", "2", "--task", "cls"], 2, "use --task clm"),
        (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose 'gpipe' or '1f1b'")]
 
