@@ -55,8 +55,8 @@ class Config:
     compile: str = "auto"        # auto (torch.compile for 300+ steps of a causal LM with DDP: it pays after ~250), true, false
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
-    tp: int = 1                  # tensor-parallel degree; one of --tp, --cp, --pp above 1 (GPT-2 presets, clm), dp = processes / it
-    cp: int = 1                  # context-parallel degree (ring attention; seq_len a multiple of 2·cp); not with --tp or --pp
+    tp: int = 1                  # tensor-parallel degree, also with --cp or --pp (GPT-2, clm); dp = processes / (tp·cp·pp)
+    cp: int = 1                  # context-parallel degree (ring attention, seq_len a multiple of 2·cp); not with --pp
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
     pp_schedule: str = "1f1b"    # the pipeline's schedule: gpipe or 1f1b (1f1b needs grad_accum >= pp)
 

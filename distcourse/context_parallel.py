@@ -205,16 +205,17 @@ def ring_check_worker(out_dir, B=2, n_head=4, T=32, hs=8, layout="zigzag", seed=
     if rank == 0: Path(out_dir, f"ring_{layout}_{cp}.json").write_text(json.dumps(res))
 
 # %% ../nbs/05f_context_parallel.ipynb #f382eab7
-def _ring_self_attention(attn, x, group, stats):  # attn: a GPT block's attention module; x: (B, T/cp, C)
+def _ring_self_attention(attn, x, group, stats):  # attn: a block's attention (or 05c's); x: (B, T/cp, C)
     "The block's attention with ring_attention in place of SDPA, using its own c_attn and c_proj."
     if attn.training and attn.dropout > 0:
         raise ValueError(f"ring attention has no attention dropout (dropout={attn.dropout}); use dropout=0")
     B, T, C = x.shape
-    q, k, v = attn.c_attn(x).split(C, dim=2)  # 3 x (B, T/cp, C)
-    hs = C // attn.n_head
-    q, k, v = (t.view(B, T, attn.n_head, hs).transpose(1, 2) for t in (q, k, v))  # (B, nh, T/cp, hs)
-    y = ring_attention(q, k, v, group, stats=stats).transpose(1, 2).reshape(B, T, C)  # (B, T/cp, C)
-    return attn.resid_dropout(attn.c_proj(y))
+    q, k, v = attn.c_attn(x).chunk(3, dim=-1)  # 3 x (B, T/cp, local): local = C, or C/tp under tp
+    local = q.size(-1)
+    hs = attn.head_dim if hasattr(attn, "head_dim") else C // attn.n_head
+    q, k, v = (t.view(B, T, local // hs, hs).transpose(1, 2) for t in (q, k, v))  # (B, local heads, T/cp, hs)
+    y = ring_attention(q, k, v, group, stats=stats).transpose(1, 2).reshape(B, T, local)  # (B, T/cp, local)
+    return attn.resid_dropout(attn.c_proj(y))  # under tp, c_proj sums the heads of every tp rank
 
 def cp_forward(model: GPT,   # the course's GPT; its own weights are used
                idx_chunk,    # (B, T/cp) token ids this rank holds (zigzag_split of the batch)

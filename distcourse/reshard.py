@@ -98,10 +98,11 @@ class MeshState:
     def __init__(self, mesh): self.mesh = mesh
 
     def piece(self) -> str:
-        "This rank's piece: its tp index or pipeline stage, or 'whole' where every rank holds all the weights (cp)."
+        "This rank's piece: its stage and tp index, or 'whole' where every rank holds all the weights (cp)."
         m = self.mesh
-        if m.d["tp"] > 1: return f"tp{dist.get_rank(m.g['inner'])}"
-        return f"pp{m.model.stage}" if m.d["pp"] > 1 else "whole"
+        stage = f"pp{m.model.stage}" if m.d["pp"] > 1 else ""
+        tp = f"tp{dist.get_rank(m.g['tp'])}" if m.d["tp"] > 1 else ""
+        return stage + tp or "whole"  # e.g. tp0, pp1, pp1tp0 (tp x pp)
 
     def state_dict(self) -> dict:
         m = self.mesh

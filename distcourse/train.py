@@ -194,7 +194,7 @@ def train(config=None, **overrides) -> dict:
 
 # %% ../nbs/09a_train.ipynb #1b606f64
 def _train_mesh(cfg) -> dict:
-    "`train` on a (dp, tp | cp | pp) mesh: the mesh lesson's step; the trainer's data, evaluation, checkpoints, outputs."
+    "`train` on a (dp, tp × cp | tp × pp) mesh: the mesh lesson's step; the trainer's data, eval, outputs."
     acc = _start(cfg)
     set_seed(cfg.seed)
     tok, train_dl, val_dl, hf = _setup(cfg, acc)

@@ -1,6 +1,7 @@
 """The trainer's --tp, --cp and --pp: the losses of one process on the same global batch, model/ whole, exact resume,
 bad inputs."""
 import json
+import re
 import shutil
 
 import pytest
@@ -18,10 +19,14 @@ ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log
 MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 replicas of a tp pair, 2 × 4 × 2
           "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"]),
           "tp2": (2, ["--tp", "2"]),  # one tp pair, the issue's command: 4 × 4 × 1
-          "dp2_pp2": (4, ["--pp", "2", "--batch_size", "2", "--pp_schedule", "gpipe"])}  # 2 pipelines, 2 × 4 × 2
+          "dp2_pp2": (4, ["--pp", "2", "--batch_size", "2", "--pp_schedule", "gpipe"]),  # 2 pipelines: 2×4×2
+          "tp2_cp2": (4, ["--tp", "2", "--cp", "2"]),  # one replica: 2 cp ranks of a tp pair each, 4 × 4 × 1
+          "tp2_pp2": (4, ["--tp", "2", "--pp", "2"])}  # one pipeline of 2 stages, each a tp pair: 4 × 4 × 1
 # Resumed from their checkpoints: one layout per piece kind. tp2 and dp2_pp2 save the same pieces as dp2_tp2 and
 # pp2 (tp<i>, pp<i>; dp copies written once, which dp2_tp2 covers), and tp2 resumes dp2_tp2's checkpoint below.
-RESUMED = ["dp2_tp2", "cp2", "pp2"]
+# tp2_cp2 saves the same tp<i> pieces, its cp copies once as dp copies: its resume would add a 4-process run.
+# tp2_pp2 names its pieces by stage and tp index (pp<s>tp<i>), which no other layout covers.
+RESUMED = ["dp2_tp2", "cp2", "pp2", "tp2_pp2"]
 
 
 def train_losses(out):
@@ -51,8 +56,8 @@ def test_mesh_losses_equal_one_process(runs, name):
     worst = max(abs(a - b) / abs(a) for a, b in zip(want, got))
     assert worst <= 1e-4, (name, worst)
     run = json.loads((runs / name / "run.json").read_text())
-    world, degree = MESHES[name][0], name[-3:-1]
-    assert run["world_size"] == world and run["parallel"][degree] == 2 and run["parallel"]["dp"] == world // 2
+    degrees = {"dp": 1, **{k: int(v) for k, v in re.findall(r"(dp|tp|cp|pp)(\d)", name)}}  # tp2_cp2: 2, 2
+    assert run["world_size"] == MESHES[name][0] and {k: run["parallel"][k] for k in degrees} == degrees
     one = json.loads((runs / "one/run.json").read_text())
     assert abs(run["final"]["loss"] - one["final"]["loss"]) <= 1e-4 * one["final"]["loss"]  # same validation
     assert run["final"]["samples"] == one["final"]["samples"]
@@ -104,7 +109,8 @@ def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
     shutil.rmtree(again / "checkpoints/step_20")
     pieces = dcp.FileSystemReader(str(again / "checkpoints/step_10/sharded")).read_metadata().state_dict_metadata
     names = {k.split(".")[1] for k in pieces}  # custom_0.<piece>.model...: each piece once, whatever the dp copies
-    assert names == {"dp2_tp2": {"tp0", "tp1"}, "cp2": {"whole"}, "pp2": {"pp0", "pp1"}}[name], names
+    assert names == {"dp2_tp2": {"tp0", "tp1"}, "cp2": {"whole"}, "pp2": {"pp0", "pp1"},
+                     "tp2_pp2": {"pp0tp0", "pp0tp1", "pp1tp0", "pp1tp1"}}[name], names
     monkeypatch.setenv("WORLD_SIZE", str(world))  # the layout is part of the checkpoint: another one is refused
     with pytest.raises(ConfigError, match=f"--{name[-3:-1]} saved 2, now 1"):
         parse_args([*ARGS, "--save_every", "10", "--resume", "latest", "--output_dir", str(again)])
@@ -141,7 +147,7 @@ BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
        (["--pp", "2", "--grad_accum", "1"], 2, "1F1B needs at least as many micro-batches as stages"),
        (["--pp", "4", "--grad_accum", "4"], 4, "n_layer=2 is fewer than pp=4"),
        (["--cp", "2", "--seq_len", "30"], 2, "seq_len=30 is not divisible by 2 x cp = 4"),
-       (["--tp", "2", "--cp", "2"], 4, "set the others to 1"),
+       (["--cp", "2", "--pp", "2", "--grad_accum", "2"], 4, "--pp does not compose with --cp yet"),
        (["--tp", "2", "--task", "cls"], 2, "use --task clm"),
        (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose 'gpipe' or '1f1b'")]
 
