@@ -226,13 +226,23 @@ def test_cli_memory_shows_sharding(cli_runs):
     for stage, (run, _, _) in cli_runs.items():
         assert run["zero_stage"] == stage and run["world_size"] == 2
         mem = run["memory"]
-        half = {k: v / 2 for k, v in full.items()}
+        half = {k: v / 2 for k, v in full.items() if k.endswith("_bytes")}
         if stage >= 1: assert close(mem["optimizer_bytes"], half["optimizer_bytes"], 0.05), mem  # flat at stage 1
         if stage >= 2: assert close(mem["grads_bytes"], half["grads_bytes"], 0.1), mem
         if stage == 3: assert close(mem["params_bytes"], half["params_bytes"], 0.1), mem
         if stage == 2: assert close(mem["forward_params_bytes"], full["params_bytes"], 0.01), mem  # ZeRO-2's peak
         if stage == 3: assert close(mem["forward_params_bytes"], half["params_bytes"], 0.1), mem
         if stage < 2: assert mem["grads_bytes"] == full["grads_bytes"] and mem["params_bytes"] == full["params_bytes"]
+
+
+def test_cli_optimizer_bytes_every_rank(cli_runs):
+    "run.json's memory per rank: at stages 1-3 every rank, not rank 0 alone, holds 1/N of stage 0's (within 5%)."
+    stage0 = [r["optimizer_bytes"] for r in cli_runs[0][0]["memory"]["per_rank"]]
+    assert len(stage0) == 2 and stage0[0] == stage0[1] > 0
+    for stage, (run, _, _) in cli_runs.items():
+        per_rank = [r["optimizer_bytes"] for r in run["memory"]["per_rank"]]
+        assert per_rank[0] == run["memory"]["optimizer_bytes"]  # rank 0's is the first
+        if stage >= 1: assert all(close(b, stage0[0] / 2, 0.05) for b in per_rank), (stage, per_rank, stage0)
 
 
 def test_cli_same_losses(cli_runs):
