@@ -166,7 +166,6 @@ def test_zero2_by_hand_memory(by_hand, measured):
     "Every rank: half of DDP's AdamW state, and of the gradient only its slice (the model's .grad are freed)."
     P, ddp = measured["n_params"], measured[0]["memory"][0]
     for m in by_hand[2]["memory"]:
-        assert close(m["optimizer_bytes"], ddp["optimizer_bytes"] / 2, 0.05), m
         assert close(m["optimizer_bytes"], ddp["optimizer_bytes"] / 2, 1e-4), m  # 2,563,080 of 5,126,256
         assert 0 <= m["grads_bytes"] - 4 * P / 2 <= 4 * 2, m  # measured: 1,281,536 = 4 bytes × Ψ/2
         assert m["forward_params_bytes"] == m["params_bytes"] == ddp["params_bytes"]  # weights stay whole
