@@ -152,7 +152,8 @@ def _loop(acc, cfg, run, meter, steps, start, tokens, stream, lr, evaluate) -> d
     for step, res in bar:
         tokens += res["tokens"]
         if step % cfg.log_every == 0 or step == cfg.max_steps:
-            run.log(step=step, loss=res["loss"], lr=lr(), tokens=tokens, **meter.stats())
+            run.log(step=step, loss=res["loss"], grad_norm=res["grad_norm"],  # before clipping
+                    lr=lr(), tokens=tokens, **meter.stats())
             bar.set_postfix(loss=f"{res['loss']:.3f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
             run.log(step=step, split="val", **evaluate())
