@@ -1,10 +1,13 @@
 """Measure the course's trainer side by side with its peers, in one run, and write `results.json` + `results.md`.
 
-    python benchmarks/run.py --quick          # ~50 s on an idle 2-core CPU: the numbers in RESULTS.md
+    python benchmarks/run.py --quick          # minutes on a 2-core CPU: results.json, then the tables rendered
     python benchmarks/run.py                  # full: batch 16, more turns (on a GPU: GPT-2 124M's shape, bf16)
     python benchmarks/run.py --compile        # every contender torch.compile'd
-    python benchmarks/run.py --smoke --out /tmp/b  # seconds: what tests/test_benchmarks.py runs
+    python benchmarks/run.py --smoke --out DIR  # seconds: what tests/test_benchmarks.py runs
     python benchmarks/run.py --quick --paths  # + fp32/bf16 x eager/compile, and the main job's own tokens/s
+
+Written into benchmarks/ (the default --out), a run also rewrites the README's and RESULTS.md's tables from its
+results.json (benchmarks/render.py, which holds the targets).
 
 Contenders take turns step by step in one process (warm-up excluded, medians over turns), so a neighbour's
 load slows all of them alike; every target is a ratio of two numbers measured in the same run.
@@ -39,6 +42,8 @@ import bench_comm  # noqa: E402
 import bench_ddp  # noqa: E402
 from bench_tp import measure_tp  # noqa: E402
 from bench_steps import Bench, DistcourseStep, Matmul, TorchLoop, build, hf_trainer, take_turns  # noqa: E402
+import render  # noqa: E402  (the targets and the tables)
+from render import MAIN_JOB_SHAPE, table, targets  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 # mode -> (what the contenders train, what the 1- vs 2-process runs train, data options, matmul size)
@@ -51,7 +56,6 @@ MODES = {
              dict(repeats=3), 2048),
 }
 GPU_BENCH = Bench("base", 16, 1024, precision="bf16", vocab_size=50304, device="cuda", warmup=3, steps=30, chunk=5)
-TARGETS = {"loop_vs_torch": 0.97, "loop_vs_hf_trainer": 1.1, "ddp2_efficiency": 0.9, "main_job_vs_best_path": 0.95}
 PATHS = {"fp32 eager": ("fp32", False), "fp32 compile": ("fp32", True), "bf16 eager": ("bf16", False),
          "bf16 compile": ("bf16", True)}
 
@@ -145,71 +149,6 @@ def environment(b: Bench) -> dict:
                         "TOKENIZERS_PARALLELISM": os.getenv("TOKENIZERS_PARALLELISM")}}
 
 
-def targets(res) -> dict:
-    "Each target: its value, the bar, and whether it is met (None: not measured in this run)."
-    got = {k: res.get(k) for k in TARGETS} | {"padding_waste_packing": res["padding_waste"]["packing"]}
-    bars = {k: f">= {v}" for k, v in TARGETS.items()} | {"padding_waste_packing": "== 0"}
-    met = {k: None if got[k] is None else (got[k] == 0 if k == "padding_waste_packing" else got[k] >= TARGETS[k])
-           for k in got}
-    return {k: {"value": got[k], "target": bars[k], "met": met[k]} for k in got}
-
-
-def table(res) -> str:
-    "The Markdown tables of a result."
-    f = lambda v, d=3: "—" if v is None else f"{v:.{d}f}"
-    lines = [f"Run {res['date']} on {res['device']}, `{res['command']}` ({res['wall_s']:.0f} s). "
-             f"Model `{res['config']['model']}` ({res['config']['num_params'] / 1e6:.1f}M parameters), "
-             f"batch {res['config']['batch_size']} x {res['config']['seq_len']} tokens, {res['config']['precision']}"
-             f"{', torch.compile' if res['config']['compile'] else ''}, {res['threads']['torch']} threads; "
-             f"load average {res['load_average']['start']:.1f} at the start, {res['load_average']['end']:.1f} at the end.", "",
-             "| metric | value | target | met |", "|---|---|---|---|"]
-    for k, t in res["targets"].items():
-        lines.append(f"| `{k}` | {f(t['value'])} | {t['target']} | {'—' if t['met'] is None else 'yes' if t['met'] else 'no'} |")
-    pw = res["padding_waste"]
-    lines += [f"| `padding_waste` fixed / dynamic / packing | {pw['fixed']:.1%} / {pw['dynamic']:.1%} / {pw['packing']:.1%} | | |",
-              f"| `data_tokens_per_s` (tokenize + pack) | {res['data_tokens_per_s']:,.0f} | | |",
-              f"| `mfu` (distcourse) | {res['mfu']:.1%} of the measured matmul rate, {res['peak_flops'] / 1e9:,.1f} GFLOP/s "
-              "(a measured peak, not the hardware's datasheet peak) | | |",
-              "", "| contender | tokens/s (median) | IQR | MFU |", "|---|---|---|---|"]
-    for k, v in res["tokens_per_s"].items():
-        lo, hi = res["tokens_per_s_iqr"][k]
-        lines.append(f"| {k} | {v:,.0f} | {lo:,.0f}–{hi:,.0f} | {res['mfu_by_contender'][k]:.1%} |")
-    if res["ddp"]:
-        for k, v in res["ddp"]["tokens_per_s"].items(): lines.append(f"| distcourse, {k} threads (ddp) | {v:,.0f} | | |")
-    if res.get("paths"):
-        lines += ["", "| path (16 x 128) | torch tokens/s | distcourse tokens/s | loop_vs_torch |", "|---|---|---|---|"]
-        for k, v in res["paths"].items():
-            lines.append(f"| {k} | {v['tokens_per_s']['torch']:,.0f} | {v['tokens_per_s']['distcourse']:,.0f} | "
-                         f"{v['loop_vs_torch']:.3f} |")
-        mj = res["main_job"]
-        lines.append(f"| the main job's defaults ({mj['mixed_precision']}, compile) | | {mj['tokens_per_s']:,.0f} | |")
-        for k in ("fp32 eager", "bf16 compile"):
-            lines.append(f"| transformers.Trainer, {k} | {res['paths'][k]['tokens_per_s']['hf_trainer']:,.0f} | | |")
-        lines += ["", f"`main_job_vs_best_path` {res['main_job_vs_best_path']:.3f}; `defaults_vs_hf_trainer_defaults` "
-                      f"{res['defaults_vs_hf_trainer_defaults']:.2f} (tokens/s; target 2); `matched_vs_hf_trainer` "
-                      f"(bf16 + compile on both) {res['matched_vs_hf_trainer']:.3f} (target 0.97)"]
-    if res.get("comm"):
-        lines += ["", "| collective | world | latency, smallest (µs) | bus bandwidth, largest (GB/s) |", "|---|---|---|---|"]
-        for n, rows in res["comm"].items():
-            for c in TIMED:
-                mine = [r for r in rows if r["collective"] == c]
-                lines.append(f"| {c} | {n} | {mine[0]['seconds'] * 1e6:,.0f} | {mine[-1]['busbw'] / 1e9:.2f} |")
-        ddp = res.get("ddp") or {}
-        if "allreduce_predicted_s" in ddp:
-            lines += ["", f"DDP's all-reduce of every gradient ({ddp['allreduce_bytes'] / 1e6:.1f} MB, 2 processes): "
-                          f"measured {ddp['allreduce_s'] * 1e3:.1f} ms, predicted from this table "
-                          f"{ddp['allreduce_predicted_s'] * 1e3:.1f} ms (lesson 03a); the plot is comm.png"]
-    if res.get("tp"):
-        tp, m = res["tp"], res["tp"]["size"]["model"]
-        lines += ["", f"Tensor parallelism (lesson 05c's layers), GPT {m['n_layer']} x {m['n_embd']}, batch "
-                      f"{res['tp']['size']['batch_size']} x {res['tp']['size']['seq_len']}, fp32; no target on a CPU:",
-                  "", "| tp | threads per process | tokens/s | share of the step in TP all-reduces |", "|---|---|---|---|",
-                  f"| 1 | {tp['threads']['tp1']} | {tp['tokens_per_s']['tp1']:,.0f} | — |",
-                  f"| 2 | {tp['threads']['tp2']} | {tp['tokens_per_s']['tp2']:,.0f} | {tp['tp2_comm_fraction']:.1%} "
-                  f"({tp['all_reduces_per_step']:.0f} all-reduces per step, {tp['all_reduces_predicted']} predicted) |"]
-    return "\n".join(lines) + "\n"
-
-
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     mode = p.add_mutually_exclusive_group()
@@ -276,7 +215,7 @@ def main(argv=None):
     res["main_job_vs_best_path"] = None
     if args.paths:
         t = time.time()
-        job_b = replace(b, batch_size=16, seq_len=128, warmup=2, steps=10)  # the main job's shape
+        job_b = replace(b, batch_size=MAIN_JOB_SHAPE[0], seq_len=MAIN_JOB_SHAPE[1], warmup=2, steps=10)
         with tempfile.TemporaryDirectory() as tmp:
             res["paths"] = paths(job_b, matmul_n, model, tmp)
             res["main_job"] = main_job(job_b, 15 if mode == "smoke" else 80, tmp)
@@ -297,6 +236,7 @@ def main(argv=None):
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "results.md").write_text(table(res))
     print(table(res))
+    if out.resolve() == HERE: render.main([])  # the README's and RESULTS.md's tables follow the new results.json
     return res
 
 

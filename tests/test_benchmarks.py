@@ -1,12 +1,21 @@
 """`benchmarks/run.py` runs end to end in its smallest form and writes every field; its speeds are not tested
-(performance is reported as ratios in benchmarks/RESULTS.md, never asserted by a test)."""
+(performance is reported as ratios in benchmarks/RESULTS.md, never asserted by a test). The README's benchmark
+table, RESULTS.md's and results.md are what the committed results.json renders to (`benchmarks/render.py`)."""
+import importlib.util
 import json
 import math
+import shutil
 
 import pytest
 
 from conftest import PY, ROOT, run_cli
 from distcourse.comm import TIMED
+
+_spec = importlib.util.spec_from_file_location("render", ROOT / "benchmarks" / "render.py")
+render = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render)
+RESULTS = json.loads((ROOT / "benchmarks" / "results.json").read_text())
+GENERATED = ("README.md", "benchmarks/RESULTS.md", "benchmarks/results.md")
 
 RUN = [PY, str(ROOT / "benchmarks" / "run.py"), "--smoke"]
 CONTENDERS = {"torch", "distcourse", "hf_trainer"}
@@ -69,11 +78,11 @@ def test_two_processes_were_one_gloo_group(smoke):
 
 def test_targets_and_markdown_table(smoke):
     res, md = smoke[0], smoke[1]
-    assert set(res["targets"]) == {"loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "padding_waste_packing",
-                                   "main_job_vs_best_path"}
-    assert res["targets"]["main_job_vs_best_path"]["met"] is None  # measured only with --paths
+    assert set(res["targets"]) == set(render.TARGETS)
+    with_paths = {"main_job_vs_best_path", "defaults_vs_hf_trainer_defaults", "matched_vs_hf_trainer"}
     for k, t in res["targets"].items():
-        assert k == "main_job_vs_best_path" or isinstance(t["met"], bool), k
+        if k in with_paths: assert t["met"] is None, k  # measured only with --paths
+        else: assert isinstance(t["met"], bool), k
         assert t["target"].startswith((">=", "==")), k
     assert "| metric | value | target | met |" in md and "| contender | tokens/s (median) |" in md
     assert all(f"`{k}`" in md for k in res["targets"]) and all(f"| {k} |" in md for k in CONTENDERS)
@@ -102,3 +111,43 @@ def test_bad_precision_says_what_to_pass(tmp_path):
     proc = run_cli([*RUN, "--precision", "fp16", "--out", str(tmp_path)], timeout=120)
     assert proc.returncode != 0 and "choose fp32 or bf16" in proc.stderr
     assert not (tmp_path / "results.json").exists()
+
+
+# ------------------------------------------------------------------ tables rendered from results.json
+def test_committed_tables_are_rendered_from_results_json():
+    "README.md's table, RESULTS.md's and results.md equal what the committed results.json renders to."
+    proc = run_cli([PY, str(ROOT / "benchmarks" / "render.py"), "--check"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    readme = (ROOT / "README.md").read_text()
+    assert f"| `loop_vs_torch` (fp32, 8 × 128) | {RESULTS['loop_vs_torch']:.3f} |" in readme
+
+
+def test_a_table_edited_by_hand_is_caught(tmp_path):
+    "A number changed in one generated file, or in results.json, makes that file stale."
+    for name in GENERATED:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    assert render.stale(RESULTS, tmp_path) == []
+    readme = tmp_path / "README.md"
+    shown = f"| {RESULTS['ddp2_efficiency']:.3f} |"
+    readme.write_text(readme.read_text().replace(shown, "| 1.234 |"))
+    assert render.stale(RESULTS, tmp_path) == [readme]
+    shutil.copy(ROOT / "README.md", readme)
+    slower = RESULTS | {"loop_vs_torch": 0.5}  # a run that misses the target: "met" follows
+    assert set(render.stale(slower, tmp_path)) == {tmp_path / name for name in GENERATED}
+    assert "| `loop_vs_torch` (fp32, 8 × 128) | 0.500 | >= 0.97 | no |" in render.readme_section(slower)
+
+
+def test_met_follows_the_stored_targets():
+    "Each target is met at its threshold and missed just past it; unmeasured is neither."
+    for metric, (comparison, threshold) in render.TARGETS.items():
+        assert render.met(metric, threshold) is True, metric
+        assert render.met(metric, threshold - 0.01) is False, metric
+        if comparison == "==": assert render.met(metric, threshold + 0.01) is False, metric
+        assert render.met(metric, None) is None, metric
+    with pytest.raises(KeyError, match="add it to TARGETS"): render.met("tokens_per_s", 1.0)
+
+
+def test_markers_missing_say_what_to_do():
+    with pytest.raises(ValueError, match="results:begin"):
+        render.replace_marked("a table without its markers", "x", "README.md")
