@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ACCELERATE, PY, ROOT, copy_env, free_port, fresh_copy, run_cli
 
-TIMEOUT = 240  # seconds per launch: a hang fails (or, for a fault, counts as caught and says so)
+TIMEOUT = 240  # seconds per launch: a hang fails
 # 3 steps of the tiny model; the global batch is 4 x 2 sequences of 32 tokens in every layout below
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "3", "--log_every", "1",
         "--eval_every", "0", "--seq_len", "32", "--max_examples", "200", "--tracker", "none"]
@@ -51,10 +51,14 @@ FAULTS = [
           'return all_reduce_(grad.contiguous(), ctx.group, "backward", ctx.log)'
           " / dist.get_world_size(ctx.group), None, None", "tp2",
           "f's backward all-reduce divided by tp"),
-    fault("tp: sum where mean", "tensor_parallel",
-          "def backward(ctx, grad): return grad, None, None",
-          "def backward(ctx, grad): "
-          'return all_reduce_(grad.contiguous(), ctx.group, "backward", None), None, None',
+    fault("tp: sum where mean", "tensor_parallel",  # g keeps its group for the backward
+          "def forward(ctx, x, group, log): "
+          'return all_reduce_(x.contiguous(), group, "forward", log)'
+          "\n    @staticmethod\n    def backward(ctx, grad): return grad, None, None",
+          "def forward(ctx, x, group, log):\n        ctx.group = group\n"
+          '        return all_reduce_(x.contiguous(), group, "forward", log)\n    @staticmethod\n'
+          "    def backward(ctx, grad): "
+          'return all_reduce_(grad.clone(), ctx.group, "backward", None), None, None',
           "tp2", "g's backward sums the tp ranks' equal copies of the gradient"),
     fault("cp: mean where sum", "mesh", 'dist.all_reduce(g, group=self.g["cp"])',
           'dist.all_reduce(g, group=self.g["cp"]); g.div_(self.d["cp"])', "cp2",
@@ -108,7 +112,7 @@ def run_trainer(out, world, flags, repo=ROOT, env=None, resume=False):
 
 def _run(cmd, repo, env):
     "Run `cmd` in `repo`; None when it exited 0, else the reason (exit code and last stderr line)."
-    try: proc = run_cli(cmd, cwd=repo, timeout=TIMEOUT, env=env)
+    try: proc = run_cli(cmd, cwd=repo, timeout=TIMEOUT, env=env)  # `repo`: its package imported
     except subprocess.TimeoutExpired: return f"timed out after {TIMEOUT} s"
     if proc.returncode == 0: return None
     last = (proc.stderr.strip().splitlines() or [""])[-1]
@@ -116,16 +120,17 @@ def _run(cmd, repo, env):
 
 
 def compare(want, got, norm_tol, exact=False) -> tuple:  # want, got: lists of train records
-    "(passed, what was measured): per-step losses and grad norms of `got` against `want`."
-    if len(got) != len(want) or [r["step"] for r in got] != [r["step"] for r in want]:
-        return False, f"steps {[r['step'] for r in got]}, want {[r['step'] for r in want]}"
+    "(equal, what was measured): per-step losses and grad norms of `got` against `want`."
+    if [r["step"] for r in got] != [r["step"] for r in want]:
+        return "differ", f"steps {[r['step'] for r in got]}, want {[r['step'] for r in want]}"
     loss = max(abs(g["loss"] - w["loss"]) / abs(w["loss"]) for w, g in zip(want, got))
     diffs = [abs(g["grad_norm"] - w["grad_norm"]) / w["grad_norm"] for w, g in zip(want, got)]
     worst = diffs.index(max(diffs))
     ratio = got[worst]["grad_norm"] / want[worst]["grad_norm"]
     what = f"grad_norm ratio {ratio:.6f} (step {got[worst]['step']}), loss rel diff {loss:.1e}"
-    if exact: return got == want, what + (", bit for bit" if got == want else ", not bit for bit")
-    return loss <= LOSS_TOL and max(diffs) <= norm_tol, what
+    if exact: equal, what = got == want, what + (", bit for bit" if got == want else ", not exact")
+    else: equal = loss <= LOSS_TOL and max(diffs) <= norm_tol
+    return "equal" if equal else "differ", what
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +148,7 @@ def zero2_by_hand(tmp, repo, env) -> tuple:
             "from distcourse.zero import zero_worker as w; "
             "launch(partial(w, stages=[0, 2], zero2='flat', steps=3, batch_size=4, seq_len=32, "
             "max_examples=200, grad_accum=2), (sys.argv[1],), num_processes=2)")
-    if failed := _run([PY, "-c", code, str(tmp)], repo, env): return False, failed
+    if failed := _run([PY, "-c", code, str(tmp)], repo, env): return "failed", failed
     res = json.loads((tmp / "zero.json").read_text())
     want, got = ([{"step": i + 1, "loss": loss, "grad_norm": norm}
                   for i, (loss, norm) in enumerate(zip(res[s]["losses"], res[s]["grad_norms"]))]
@@ -156,16 +161,16 @@ def resume(tmp, repo, env, reference) -> tuple:
     again = tmp / "again"
     shutil.copytree(reference, again)
     for step in (2, 3): shutil.rmtree(again / f"checkpoints/step_{step}")
-    if failed := run_trainer(again, 1, ONE, repo, env, resume=True): return False, failed
+    if failed := run_trainer(again, 1, ONE, repo, env, resume=True): return "failed", failed
     return compare(records(reference), records(again), 0.0, exact=True)
 
 
 def run_check(name, tmp, reference, repo=ROOT, env=None) -> tuple:
-    "(passed, what was measured) for check `name` on `repo`'s package."
+    "('equal' | 'differ' | 'failed' (the run did not finish), what was measured) for check `name`."
     if name == "zero2_by_hand": return zero2_by_hand(tmp, repo, env)
     if name == "resume": return resume(tmp, repo, env, reference)
     world, flags, norm_tol = LAYOUTS[name]
-    if failed := run_trainer(tmp / name, world, flags, repo, env): return False, failed
+    if failed := run_trainer(tmp / name, world, flags, repo, env): return "failed", failed
     return compare(records(reference), records(tmp / name), norm_tol)
 
 
@@ -182,9 +187,9 @@ def table(request):
 @pytest.mark.parametrize("name", CHECKS)
 def test_check_passes_unmutated(name, reference, tmp_path):
     "A check that always failed would prove nothing: on the package as it is, each one passes."
-    passed, what = run_check(name, tmp_path, reference)
-    ROWS.append(("(none)", name, "passes" if passed else "FAILS", what))
-    assert passed, f"{name} fails on the unmutated package: {what}"
+    verdict, what = run_check(name, tmp_path, reference)
+    ROWS.append(("(none)", name, "passes" if verdict == "equal" else f"FAILS ({verdict})", what))
+    assert verdict == "equal", f"{name} fails on the unmutated package: {what}"
 
 
 def mutate(repo, f):  # f: one of FAULTS
@@ -202,10 +207,13 @@ def mutate(repo, f):  # f: one of FAULTS
 
 @pytest.mark.parametrize("f", FAULTS, ids=[f["name"] for f in FAULTS])
 def test_fault_is_caught(f, reference, tmp_path):
-    "The fault, written into a fresh copy of the package, makes its check fail."
+    "The fault, written into a fresh copy of the package, makes its check's numbers differ."
     repo = fresh_copy(tmp_path / "repo")
     mutate(repo, f)
-    passed, what = run_check(f["check"], tmp_path, reference, repo, copy_env(repo))
-    verdict = "passes: NOT CAUGHT" if passed else "caught"
-    ROWS.append((f"{f['name']} ({f['module']}.py)", f["check"], verdict, what))
-    assert not passed, f"fault {f['name']!r} ({f['what']}) was not caught by {f['check']}: {what}"
+    verdict, what = run_check(f["check"], tmp_path, reference, repo, copy_env(repo))
+    shown = {"differ": "caught", "equal": "NOT CAUGHT", "failed": "RUN FAILED"}[verdict]
+    ROWS.append((f"{f['name']} ({f['module']}.py)", f["check"], shown, what))
+    # A fault is wrong arithmetic: a crash or a hang would prove nothing about the comparison.
+    assert verdict != "failed", (f"fault {f['name']!r} made the run fail ({what}) instead of "
+                                 "changing its numbers: update it in tests/test_mutation.py")
+    assert verdict == "differ", f"{f['name']!r} ({f['what']}) not caught by {f['check']}: {what}"
