@@ -1,6 +1,6 @@
-"""What the parallel code refuses instead of doing something silently wrong: splitters on a length
-they cannot cut evenly (zig-zag used to drop the remainder), and dropout under --tp, --cp or --pp (ranks
-seeded alike would draw the same masks where one process draws them afresh)."""
+"""What the parallel code refuses instead of doing something silently wrong: splitters on a
+length they cannot cut evenly (zig-zag used to drop the remainder), and dropout under --tp, --cp
+or --pp (ranks seeded alike would draw the same masks where one process draws them afresh)."""
 import pytest
 import torch
 import torch.distributed as dist
