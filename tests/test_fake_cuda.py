@@ -171,7 +171,7 @@ def test_a_cpu_accumulator_fails_the_dry_run(hf, seen, monkeypatch):
 
 
 def test_a_cpu_buffer_in_a_collective_fails_the_dry_run(hf, seen, monkeypatch):
-    "The pipeline's receive buffer on the CPU (as it was): the fake backend takes it, the check not."
+    "The pipeline's receive buffer on the CPU (as was): the fake backend takes it, the check not."
     fixed = "torch.empty(shape, device=device)"
     bad = _planted(pipeline, pipeline._recv, fixed, "torch.empty(shape)")
     monkeypatch.setattr(pipeline, "_recv", bad)
