@@ -261,7 +261,7 @@ def _vs_hand(res):
 def _setup(cfg, batch_size, seq_len, seed):
     "(full GPT, x, y, one process's loss and gradients on the full batch): the same on every rank."
     torch.manual_seed(seed)
-    full, gen = GPT(cfg), torch.Generator().manual_seed(seed)  # CPU on purpose: a gloo check's
+    full, gen = GPT(cfg), torch.Generator().manual_seed(seed)  # CPU on purpose: a gloo check's data
     data = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=gen)
     x, y = data[:, :-1], data[:, 1:].clone()  # (B, T)
     y[0, : seq_len // 2] = -100  # unequal token counts per micro-batch: the token share matters
