@@ -27,6 +27,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from distcourse import mesh as mesh_module
 from distcourse import pipeline
 from distcourse.mesh import Mesh, mesh_layout
+from distcourse.reshard import MeshState
 
 GPU, WORLD, T = "fakegpu", 8, 16  # T: tokens per sequence, a multiple of 2 x cp for cp 8
 # name: (tp, pp, cp, pp_schedule); dp = 8 / (tp·pp·cp). The model has 12 heads and 4 blocks, so
@@ -121,7 +122,7 @@ def roles(tp, pp, cp) -> list:
 
 
 def dry_step(hf, layout, rank) -> tuple:
-    "Rank `rank` of `layout` builds its Mesh on the fake accelerator, runs a step: (mesh, result)."
+    "Rank `rank` of `layout` builds its Mesh on the fake accelerator, steps: (mesh, result, state)."
     tp, pp, cp, schedule = LAYOUTS[layout]
     cfg = type("Cfg", (), dict(tp=tp, pp=pp, cp=cp, pp_schedule=schedule, lr=1e-3, weight_decay=0.1,
                                warmup_steps=1, max_steps=4))
@@ -132,19 +133,28 @@ def dry_step(hf, layout, rank) -> tuple:
             dp, m = mesh.d["dp"], max(pp, 1)  # 1F1B needs as many micro-batches as stages
             batch = {k: torch.randint(0, 128, (2 * dp, T)) for k in ("input_ids", "labels")}  # CPU
             out = mesh.step([mesh.rows(batch) for _ in range(m)])
-        return mesh, out
+            state = MeshState(mesh).state_dict()  # what a checkpoint writes with dcp
+        return mesh, out, state
     finally: dist.destroy_process_group()
+
+
+def tensors(opt_state) -> list:  # an optimizer's state: {param or index: {name: value}}
+    "Its tensors but AdamW's step counts, which torch keeps on the CPU on purpose (host-read)."
+    return [v for s in opt_state.values() for k, v in s.items() if k != "step"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mesh_step_keeps_everything_on_the_device(hf, seen, layout):
     tp, pp, cp, _ = LAYOUTS[layout]
     for rank in roles(tp, pp, cp):
-        mesh, out = dry_step(hf, layout, rank)
+        mesh, out, saved = dry_step(hf, layout, rank)
         assert {p.device.type for p in mesh.model.parameters()} == {GPU}, (layout, rank)
-        state = [v for s in mesh.opt.state.values() for k, v in s.items() if k != "step"]
-        assert state and {v.device.type for v in state} == {GPU}, (layout, rank)  # AdamW stepped
+        adam = tensors(mesh.opt.state)
+        assert adam and {v.device.type for v in adam} == {GPU}, (layout, rank)  # AdamW stepped
         assert mesh.sched.last_epoch == 1 and set(out) == {"loss", "tokens", "grad_norm"}
+        (piece,) = saved.values()
+        written = [*piece["model"].values(), *tensors(piece["optimizer"]["state"])]
+        assert {t.device.type for t in written} == {GPU}, (layout, rank)  # the checkpoint's
     want = {"all_reduce"}  # dp's gradient sums, and the loss and token counts
     if pp > 1: want |= {"isend", "recv", "broadcast"}  # activations, their gradients, the loss
     if cp > 1: want |= {"batch_isend_irecv"}  # the ring's K/V
