@@ -64,19 +64,19 @@ def bus_factor(collective, n) -> float:
 # %% ../nbs/03a_collectives.ipynb #c01e7dfc
 TIMED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 
-def _op(collective, numel, rank, n):
+def _op(collective, numel, rank, n, device="cpu"):  # device: the backend's (a GPU under NCCL)
     "A function that runs one `collective` on a buffer of `numel` fp32 values (its whole size, as nccl-tests count)."
-    x = torch.ones(numel)
+    x = torch.ones(numel, device=device)
     if collective == "all_reduce": return lambda: dist.all_reduce(x)
     if collective == "broadcast": return lambda: dist.broadcast(x, src=0)
     if collective == "all_gather":
-        part = torch.ones(numel // n)
+        part = torch.ones(numel // n, device=device)
         return lambda: dist.all_gather_into_tensor(x, part)
     if collective == "reduce_scatter":
-        part = torch.empty(numel // n)
+        part = torch.empty(numel // n, device=device)
         return lambda: dist.reduce_scatter_tensor(part, x)
     if collective == "all_to_all":
-        out = torch.empty(numel)
+        out = torch.empty(numel, device=device)
         return lambda: dist.all_to_all_single(out, x)
     if collective == "send_recv":  # rank 0 sends to rank 1; the others wait at the barrier
         if rank == 0: return lambda: dist.send(x, dst=1)
@@ -86,20 +86,24 @@ def _op(collective, numel, rank, n):
 
 # %% ../nbs/03a_collectives.ipynb #6936c782
 def comm_worker(out_dir, sizes, repeats=5, collectives=TIMED):
-    "Worker: time every collective at every size (bytes); rank 0 writes `comm-<n>.json`."
-    dist.init_process_group("gloo")
+    "Worker: time every collective at every size (bytes), NCCL on GPUs, else gloo; rank 0 writes."
+    cuda = torch.cuda.is_available()  # time the backend a run on this machine would use
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda: torch.cuda.set_device(device)
     rows = []
     for c in collectives:
         for size in sizes:
             numel = max(n, size // 4 // n * n)  # divisible by n: every rank gets an equal part
-            op, times = _op(c, numel, rank, n), []
+            op, times = _op(c, numel, rank, n, device), []
             for i in range(repeats + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
                 op()
+                if cuda: torch.cuda.synchronize()  # NCCL returns at once: wait for the transfer
                 if i: times.append(time.perf_counter() - t0)  # the first call is a warm-up
-            t = torch.tensor([statistics.median(times)])
+            t = torch.tensor([statistics.median(times)], device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a collective ends when its slowest rank does
             algbw = 4 * numel / t.item()
             rows.append({"collective": c, "bytes": 4 * numel, "seconds": t.item(), "algbw": algbw,

@@ -136,6 +136,29 @@ def _check_global_batch(path, state, cfg):
                       f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
+_DROPOUT_WHY = {  # why each mesh axis refuses dropout for now (one process draws every mask afresh)
+    "tp": "tensor-parallel ranks would draw the same dropout masks for different heads (head h "
+          "and h + H/tp share one): a different model from one process's",
+    "cp": "ring attention has no attention dropout, and context-parallel ranks would draw the "
+          "same masks for different tokens",
+    "pp": "every pipeline stage starts from the same seed, so its layers' masks repeat another "
+          "stage's instead of being drawn independently"}
+
+def _mesh_dropout(model) -> float:  # a preset's name (the mesh trains presets only)
+    "The dropout the mesh would train `model` with (a preset's None: the library's GPT-2 default)."
+    p = PRESETS[model]["dropout"]
+    return AutoConfig.for_model("gpt2").resid_pdrop if p is None else p
+
+def _check_mesh_dropout(cfg):
+    "Refuse dropout > 0 under --tp, --cp or --pp before any process group: say why, and the fix."
+    p = _mesh_dropout(cfg.model)
+    axis = next((k for k in ("tp", "cp", "pp") if getattr(cfg, k) > 1), None)
+    if p == 0 or axis is None: return
+    without = ", ".join(n for n in PRESETS if _mesh_dropout(n) == 0)
+    raise ConfigError(f"--{axis} {getattr(cfg, axis)} with --model {cfg.model} (dropout {p}): "
+                      f"{_DROPOUT_WHY[axis]}; use a preset without dropout ({without}), "
+                      f"or --{axis} 1")
+
 def _check_mesh(cfg):
     "--tp, --cp, --pp and --pp_schedule: what the mesh trainer supports, checked before any process talks."
     if cfg.pp_schedule not in ("gpipe", "1f1b"):
@@ -148,6 +171,7 @@ def _check_mesh(cfg):
     for k, off in (("zero_stage", 0), ("activation_checkpointing", False)):
         if getattr(cfg, k) != off: raise ConfigError(
             f"{flags} with --{k} {getattr(cfg, k)}: not supported on the mesh yet; leave --{k} at {off!r}")
+    _check_mesh_dropout(cfg)
     sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read
     try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,
                        cfg.grad_accum, cfg.pp_schedule)

@@ -65,7 +65,7 @@ def num_chunks(cp, layout="zigzag") -> int:
 def block_owner(cp, layout="zigzag") -> torch.Tensor:
     "(n, n) grid: the rank that computes (query chunk i, key chunk j); -1 where the causal mask removes it."
     n = num_chunks(cp, layout)
-    grid = torch.full((n, n), -1)
+    grid = torch.full((n, n), -1)  # CPU on purpose: a small table for plots and counts
     for r in range(cp):
         for i in chunk_ids(r, cp, layout): grid[i, : i + 1] = r  # chunk i's queries see key chunks 0..i
     return grid
@@ -76,11 +76,18 @@ def block_work(cp, layout="zigzag") -> list:
     return [int((grid == r).sum()) for r in range(cp)]
 
 # %% ../nbs/05f_context_parallel.ipynb #e21aa97f
-def seq_positions(T, rank, cp, layout="zigzag") -> torch.Tensor:
+def seq_positions(T, rank, cp, layout="zigzag",
+                  device=None):  # where the positions go: the model's device (None: the CPU)
     "Positions (token indices in the full sequence) of the tokens `rank` holds, in the order it holds them."
     n = num_chunks(cp, layout)
+    if T % n:  # T // n would silently drop the last T % n tokens
+        lo = T - T % n
+        raise ValueError(f"T={T} tokens do not cut into {n} equal chunks ({layout}, cp={cp}): "
+                         f"the last {T % n} would be dropped; use a length that is a multiple "
+                         f"of {n}, e.g. {lo or n} or {lo + n}")
     c = T // n  # tokens per chunk
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_ids(rank, cp, layout)])  # (T/cp,)
+    ids = chunk_ids(rank, cp, layout)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])  # (T/cp,)
 
 def score_work(T, cp, layout="zigzag") -> list:
     "Causal (query, key) score entries each rank computes: query at position t sees t + 1 keys."
@@ -101,20 +108,21 @@ def check_cp(seq_len,      # tokens per sequence
         raise ValueError(f"seq_len={seq_len} is not divisible by 2 x cp = {2 * cp} (zig-zag cuts 2 chunks "
                          f"per rank); use a seq_len that is a multiple of {2 * cp}, e.g. {fit}")
 
-def zigzag_positions(T, rank, cp) -> torch.Tensor:  # T: the full sequence length
+def zigzag_positions(T, rank, cp, device=None) -> torch.Tensor:  # T: the full length
     "Position ids (T/cp,) of the tokens `rank` holds under zig-zag: chunks rank and 2·cp-1-rank."
-    return seq_positions(T, rank, cp, "zigzag")
+    return seq_positions(T, rank, cp, "zigzag", device)
 
 def zigzag_split(x, rank, cp, dim=1) -> torch.Tensor:  # x: e.g. (B, T) token ids or (B, nh, T, hs) with dim=2
-    "The tokens of `x` that `rank` holds under zig-zag, along `dim`."
-    return x.index_select(dim, zigzag_positions(x.size(dim), rank, cp).to(x.device))
+    "The tokens of `x` that `rank` holds under zig-zag, along `dim`; uneven cuts raise."
+    return x.index_select(dim, zigzag_positions(x.size(dim), rank, cp, x.device))
 
 def zigzag_unsplit(pieces, dim=1) -> torch.Tensor:  # pieces: every rank's zigzag_split, in rank order
     "The full sequence back from the pieces of all ranks."
     cp = len(pieces)
     T = cp * pieces[0].size(dim)
-    order = torch.cat([zigzag_positions(T, r, cp) for r in range(cp)])  # where each held token belongs
-    return torch.cat(pieces, dim).index_select(dim, torch.argsort(order).to(pieces[0].device))
+    device = pieces[0].device
+    order = torch.cat([zigzag_positions(T, r, cp, device) for r in range(cp)])  # where each belongs
+    return torch.cat(pieces, dim).index_select(dim, torch.argsort(order))
 
 # %% ../nbs/05f_context_parallel.ipynb #7c09a7a8
 def _count(stats, key, t):
@@ -186,8 +194,8 @@ def ring_check_worker(out_dir, B=2, n_head=4, T=32, hs=8, layout="zigzag", seed=
     check_cp(T, world, world)  # before any process-group work
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(seed)
-    q, k, v, dy = (torch.randn(B, n_head, T, hs, generator=g) for _ in range(4))  # the same on every rank
+    g = torch.Generator().manual_seed(seed)  # CPU on purpose (below): a gloo check's inputs
+    q, k, v, dy = (torch.randn(B, n_head, T, hs, generator=g) for _ in range(4))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*full, is_causal=True)
     ref.backward(dy)
@@ -225,7 +233,7 @@ def cp_forward(model: GPT,   # the course's GPT; its own weights are used
               ) -> torch.Tensor:
     "This rank's logits (B, T/cp, V): the GPT run on its tokens, attention over the whole sequence by ring."
     rank, cp = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
-    if pos is None: pos = zigzag_positions(idx_chunk.size(1) * cp, rank, cp).to(idx_chunk.device)
+    if pos is None: pos = zigzag_positions(idx_chunk.size(1) * cp, rank, cp, idx_chunk.device)
     tr = model.transformer
     x = tr.drop(tr.wte(idx_chunk) + tr.wpe(pos))  # (B, T/cp, C): the positions say where the tokens sit
     for block in tr.h:
@@ -243,10 +251,10 @@ def cp_group(cp):  # ranks that share one sequence; the world holds world/cp suc
 
 def toy_batches(steps, B, T, vocab, seed=0) -> list:
     "`steps` batches (B, T+1) of arithmetic sequences mod `vocab`: random start and stride, easy to learn."
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # CPU on purpose (below): data, moved by its user
     start = torch.randint(0, vocab, (steps, B, 1), generator=g)
-    stride = torch.randint(1, 4, (steps, B, 1), generator=g)
-    return list((start + stride * torch.arange(T + 1)) % vocab)  # steps x (B, T+1)
+    stride = torch.randint(1, 4, (steps, B, 1), generator=g)  # CPU on purpose: as above
+    return list((start + stride * torch.arange(T + 1)) % vocab)  # CPU on purpose: steps x (B, T+1)
 
 def reference_losses(cfg, steps=10, B=4, T=32, lr=3e-3, seed=0) -> list:
     "One process: GPT's own forward and mean loss, AdamW; the losses every cp run must reproduce."

@@ -137,7 +137,7 @@ def hello_worker(out_dir):
     "Worker: join the process group the launcher describes, all-reduce `rank + 1`, write what this rank saw."
     dist.init_process_group("gloo")  # reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (gloo: the CPU backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    x = torch.tensor([rank + 1.0])
+    x = torch.tensor([rank + 1.0])  # CPU on purpose: gloo, the CPU backend, joined above
     dist.all_reduce(x)               # in place, on every rank: the sum over ranks
     env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(

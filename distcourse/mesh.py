@@ -101,8 +101,11 @@ class Mesh:
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
                  cfg,             # a trainer Config, or anything with its tp, pp, cp (checked),
                                   # pp_schedule, lr, weight_decay, warmup_steps and max_steps
-                 autocast=nullcontext):  # a context for the forward, e.g. `accelerator.autocast`
+                 autocast=nullcontext,  # a context for the forward, e.g. `accelerator.autocast`
+                 device=None):  # where the piece and its batches live, e.g. `accelerator.device`;
+                                # None: where `hf`'s parameters are
         rank, world, tp, pp, cp = dist.get_rank(), dist.get_world_size(), cfg.tp, cfg.pp, cfg.cp
+        self.device = torch.device(device) if device is not None else next(hf.parameters()).device
         self.d = d = {"dp": world // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
         self.hf, self.schedule, self.autocast, self.tokens = hf, cfg.pp_schedule, autocast, 0
         self.layout = mesh_layout(dist.get_world_size(), d["tp"], d["pp"], d["cp"])
@@ -115,12 +118,18 @@ class Mesh:
             blocks = self.model.transformer.h
             self.model = GPTStage(gpt, self.g["pp_ranks"].index(rank), d["pp"])
             for i in self.model.layers: self.model.transformer.h[str(i)] = blocks[i]
+        self.model.to(self.device)  # built on the CPU and split, then moved: the piece only
         self.opt = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg.warmup_steps, cfg.max_steps)
 
     def rows(self, batch):  # a global micro-batch {input_ids, labels} of batch_size·dp examples
-        "This rank's (inputs, targets): its dp slice of the rows; targets shifted left, -100 where none."
-        x, labels = (batch[k].chunk(self.d["dp"])[self.dp_rank] for k in ("input_ids", "labels"))
+        "This rank's (inputs, targets) on the mesh's device: its dp slice; targets shifted left."
+        rows, dp = batch["input_ids"].size(0), self.d["dp"]
+        if rows % dp:  # chunk would hand the replicas unequal rows (or fewer than dp pieces)
+            raise ValueError(f"a micro-batch of {rows} rows does not split evenly over dp={dp} "
+                             f"replicas; pass {dp} x batch_size rows (Mesh.loader does)")
+        x, labels = (batch[k].chunk(dp)[self.dp_rank] for k in ("input_ids", "labels"))
+        x, labels = x.to(self.device), labels.to(self.device)
         return x, F.pad(labels[:, 1:], (0, 1), value=-100)  # position t predicts token t + 1
 
 # %% ../nbs/05g_mesh.ipynb #f3b1c2d4
@@ -131,7 +140,7 @@ def _forward(self: Mesh, x, y):  # this rank's rows of one micro-batch: (b, T) t
     if cp > 1:  # this rank's zig-zag chunks of every sequence, attention by ring
         r = dist.get_rank(self.g["cp"])
         x, y = zigzag_split(x, r, cp), zigzag_split(y, r, cp)
-        pos = zigzag_positions(x.size(1) * cp, r, cp)  # where this rank's tokens sit
+        pos = zigzag_positions(x.size(1) * cp, r, cp, x.device)  # where this rank's tokens sit
         logits = cp_forward(self.model, x, pos, self.g["cp"])  # (b, T/cp, V)
     elif self.d["pp"] > 1:
         logits = self.model(x)  # (b, T, V) on the last stage
@@ -142,7 +151,7 @@ def _forward(self: Mesh, x, y):  # this rank's rows of one micro-batch: (b, T) t
 @patch
 def _loss_sums(self: Mesh, micro, n):  # micro: this rank's [(x, y)]; n: tokens of the global batch
     "Forward and backward of every micro-batch; the summed loss of this rank's tokens."
-    total = torch.zeros(())
+    total = torch.zeros((), device=self.device)
     for x, y in micro:
         with self.autocast(): s = self._forward(x, y)
         (s / n).backward()  # d(Σ token losses / tokens of the global batch)
@@ -182,7 +191,8 @@ def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(
 def grad_norm(self: Mesh) -> torch.Tensor:
     "The norm of the gradient one process would hold, from this rank's (already summed) gradients."
     tp, pp = self.d["tp"], self.d["pp"]
-    split, whole = torch.zeros(()), torch.zeros(())  # 05c's tp_grad_norm: the split squares summed over tp
+    split = torch.zeros((), device=self.device)  # 05c's tp_grad_norm: split squares summed over tp
+    whole = torch.zeros((), device=self.device)
     for n, p in self.model.named_parameters():
         if p.grad is None or (pp > 1 and n == "lm_head.weight"): continue  # the tied copy: counted as wte
         if tp > 1 and is_split(self.model, n): split += p.grad.pow(2).sum()
@@ -199,6 +209,8 @@ def full_state(self: Mesh) -> dict:
     else: mine = {n: p.detach().clone() for n, p in self.model.named_parameters()}
     if self.d["pp"] == 1: return mine
     if self.model.is_last and not self.model.is_first: mine.pop("lm_head.weight")  # the tied copy
+    # CPU on purpose: a pickled CUDA tensor unpickles on the sender's GPU, not on this rank's
+    mine = {k: v.cpu() for k, v in mine.items()}
     parts = [None] * self.d["pp"]
     dist.all_gather_object(parts, mine, group=self.pipe.pipe)
     return {k: v for part in parts for k, v in part.items()}
@@ -207,7 +219,7 @@ def full_state(self: Mesh) -> dict:
 @patch
 def hf_model(self: Mesh):
     "The transformers model with the mesh's current weights (for evaluation and `save_pretrained`)."
-    return load_into_hf(self.hf, self.full_state())
+    return load_into_hf(self.hf, self.full_state()).to(self.device)  # where evaluation batches are
 
 @patch
 def parallel(self: Mesh) -> dict:
@@ -244,7 +256,7 @@ def activation_bytes(self: Mesh, batch) -> int:  # one global micro-batch {input
     "Bytes one micro-batch's forward keeps for backward on this rank's piece, parameters excluded; no step."
     x, y = self.rows(batch)
     if self.d["pp"] > 1 and not self.model.is_first:  # what the stage before sends: (b, T, C) activations
-        x = torch.zeros(*x.shape, self.model.config.n_embd, requires_grad=True)
+        x = torch.zeros(*x.shape, self.model.config.n_embd, device=x.device, requires_grad=True)
     weights = [*self.model.parameters(), *self.model.buffers()]
     with torch.random.fork_rng(devices=[]), self.autocast():  # dropout's draws: training's RNG left as it was
         return measure_saved_bytes(lambda: self._forward(x, y), skip=weights)

@@ -166,11 +166,11 @@ def sync_tied(stage, groups):
     dist.all_reduce(weight.grad, group=groups.embed)  # both copies now hold the whole gradient
 
 # %% ../nbs/05e_pipeline.ipynb #0f39d173
-def _recv(shape, src, groups) -> torch.Tensor:
+def _recv(shape, src, groups, device, grad=False):  # device: the stage's; grad: True for an input
     "A tensor of `shape` from global rank `src` of this pipeline; blocks until it has arrived."
-    t = torch.empty(shape)
+    t = torch.empty(shape, device=device)
     dist.recv(t, src, group=groups.pipe)
-    return t
+    return t.requires_grad_(grad)
 
 @contextmanager
 def _timed(timeline, held, **event):
@@ -184,15 +184,15 @@ def pipeline_step(stage,         # this rank's GPTStage
                   micro_batches, # [(x_i, y_i)], the same on every rank (the first uses x, the last y)
                   schedule, groups): # "gpipe" or "1f1b"; pp_groups(pp)
     "Every micro-batch's forward and backward in `schedule` order; (the batch's loss, this stage's timeline)."
-    m, s, ranks = len(micro_batches), stage.stage, groups.ranks
-    check_pp(stage.config.n_layer, stage.pp, m, schedule)
+    s, ranks, device = stage.stage, groups.ranks, next(stage.parameters()).device  # buffers: there
+    check_pp(stage.config.n_layer, stage.pp, len(micro_batches), schedule)
     n_tokens = sum((y != -100).sum() for _, y in micro_batches)
-    inputs, outputs, sends, timeline, loss = {}, {}, [], [], torch.zeros(())
-    for kind, i in schedule_actions(schedule, s, stage.pp, m):
+    inputs, outputs, sends, timeline, loss = {}, {}, [], [], torch.zeros((), device=device)
+    for kind, i in schedule_actions(schedule, s, stage.pp, len(micro_batches)):
         x, y = micro_batches[i]
         if kind == "F":
             if not stage.is_first:  # (b, T, C) from the stage before; its gradient is what goes back
-                x = _recv((*x.shape, stage.config.n_embd), ranks[s - 1], groups).requires_grad_()
+                x = _recv((*x.shape, stage.config.n_embd), ranks[s - 1], groups, device, grad=True)
             with _timed(timeline, outputs, stage=s, kind=kind, mb=i):
                 out = stage(x)  # (b, T, C); on the last stage logits, then its share of the batch's loss
                 if stage.is_last: out = token_loss(out, y, n_tokens)
@@ -200,7 +200,7 @@ def pipeline_step(stage,         # this rank's GPTStage
             if stage.is_last: loss += out.detach()
             else: sends.append(dist.isend(out.detach(), ranks[s + 1], group=groups.pipe))
         else:
-            grad = None if stage.is_last else _recv(outputs[i].shape, ranks[s + 1], groups)  # d loss / d out
+            grad = None if stage.is_last else _recv(outputs[i].shape, ranks[s + 1], groups, device)
             with _timed(timeline, outputs, stage=s, kind=kind, mb=i):
                 torch.autograd.backward(outputs.pop(i), grad)  # frees this micro-batch's graph
             x = inputs.pop(i)  # its gradient goes back to the stage before
@@ -215,7 +215,7 @@ def torch_pipeline_step(stage, x, y, # this rank's GPTStage; the whole batch (B,
                         micro_batches, schedule, groups):
     "The same step with `PipelineStage` + `ScheduleGPipe` or `Schedule1F1B`; the batch's loss."
     check_pp(stage.config.n_layer, stage.pp, micro_batches, schedule, batch_size=x.shape[0])
-    pipe_stage = PipelineStage(stage, stage.stage, stage.pp, torch.device("cpu"), group=groups.pipe)
+    pipe_stage = PipelineStage(stage, stage.stage, stage.pp, x.device, group=groups.pipe)
     n_tokens = (y != -100).sum()
     def loss_fn(logits, targets): return token_loss(logits, targets, n_tokens)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -224,7 +224,7 @@ def torch_pipeline_step(stage, x, y, # this rank's GPTStage; the whole batch (B,
     elif stage.is_last: sched.step(target=y, losses=losses)
     else: sched.step()
     sync_tied(stage, groups)
-    loss = torch.stack(losses).sum().detach() if stage.is_last else torch.zeros(())
+    loss = torch.stack(losses).sum().detach() if stage.is_last else torch.zeros((), device=x.device)
     dist.broadcast(loss, groups.ranks[-1], group=groups.pipe)
     return loss
 
@@ -261,7 +261,7 @@ def _vs_hand(res):
 def _setup(cfg, batch_size, seq_len, seed):
     "(full GPT, x, y, one process's loss and gradients on the full batch): the same on every rank."
     torch.manual_seed(seed)
-    full, gen = GPT(cfg), torch.Generator().manual_seed(seed)
+    full, gen = GPT(cfg), torch.Generator().manual_seed(seed)  # CPU on purpose: a gloo check's data
     data = torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=gen)
     x, y = data[:, :-1], data[:, 1:].clone()  # (B, T)
     y[0, : seq_len // 2] = -100  # unequal token counts per micro-batch: the token share matters

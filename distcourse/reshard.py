@@ -76,6 +76,7 @@ def sharded_weights(ckpt) -> dict: # a checkpoints/step_<N> directory of a ZeRO-
     "The whole model weights from a checkpoint's dcp pieces, read in this process, with no process group."
     pieces = Path(ckpt) / "sharded"
     meta = dcp.FileSystemReader(str(pieces)).read_metadata()
+    # CPU on purpose: one process with no process group reads the pieces into host memory
     whole = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata) and k.split(".")[1] == "model"}  # custom_<i>.model.<name>
     dcp.load(whole, checkpoint_id=pieces, no_dist=True)  # one reader: every piece, put together

@@ -24,14 +24,18 @@ from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, all_reduc
 # %% ../nbs/05d_sequence_parallel.ipynb #ce98333b
 def _all_gather(t, group, direction, log):  # (B, T/tp, C) -> (B, T, C): every rank's chunk in rank order
     x = t.transpose(0, 1).contiguous()  # the sequence first: gathered chunks join along dim 0
-    out = torch.empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]), dtype=t.dtype)
+    shape = (dist.get_world_size(group) * x.shape[0], *x.shape[1:])  # (T, B, C)
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
     if log is not None: log.append(("all_gather", direction, out.numel()))
     dist.all_gather_single(out, x, group=group)
     return out.transpose(0, 1)
 
 def _reduce_scatter(t, group, direction, log):  # (B, T, C) -> (B, T/tp, C): this rank's chunk of the sum
-    x = t.transpose(0, 1).contiguous()
-    out = torch.empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]), dtype=t.dtype)
+    x, tp = t.transpose(0, 1).contiguous(), dist.get_world_size(group)
+    if x.shape[0] % tp:
+        raise ValueError(f"seq_len={x.shape[0]} is not divisible by tp={tp}: sequence parallelism "
+                         f"splits it; use a multiple of {tp}")
+    out = torch.empty((x.shape[0] // tp, *x.shape[1:]), dtype=t.dtype, device=t.device)
     if log is not None: log.append(("reduce_scatter", direction, x.numel()))
     dist.reduce_scatter_single(out, x, group=group)
     return out.transpose(0, 1)
@@ -152,7 +156,8 @@ def compare_dp_tp(ref, mesh, batches, steps, lr=1e-2) -> dict:
     dp_log = []
     average_grads(model, dp_group, dp_log)  # one all-reduce per local tensor
     losses = torch.tensor(train_losses(tensor_parallel(ref, tp_group), mine, steps, lr,
-                                       lambda m: average_grads(m, dp_group)), dtype=torch.float64)
+                                       lambda m: average_grads(m, dp_group)),
+                          dtype=torch.float64, device=logits.device)
     dist.all_reduce(losses, group=dp_group)  # each dp rank's loss is the mean over its share
     return {"logits": (logits - want_logits.chunk(dp)[dp_rank]).abs().max().item(),
             "log": log, "dp_log": dp_log, "local_params": sum(p.numel() for p in model.parameters()),

@@ -191,7 +191,7 @@ def tiny_gpt(seed=0, vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=
 
 def random_batches(config, n=4, batch_size=4, seq_len=16, seed=0) -> list:
     "`n` (idx, targets) pairs of shape (B, T), the same on every rank."
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # CPU on purpose: data, moved by its user
     return [tuple(torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=g) for _ in "it")
             for _ in range(n)]
 
@@ -232,8 +232,8 @@ def compare_dtensor(ref, mesh, idx, targets) -> dict:
     with CommDebugMode() as fwd: logits, loss = model(idx, targets)
     with CommDebugMode() as bwd: loss.backward()
     got = {k: p.grad.to_local() if isinstance(p, DTensor) else p.grad for k, p in model.named_parameters()}
-    diff = torch.tensor([(logits - want_logits).abs().max().item(),  # both hold the same slices: compare them
-                         rel_diff(got, {k: p.grad for k, p in hand.named_parameters()})])
+    want = {k: p.grad for k, p in hand.named_parameters()}  # both hold the same slices
+    diff = logits.new_tensor([(logits - want_logits).abs().max().item(), rel_diff(got, want)])
     dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the worst rank
     def calls(mode): return {str(op).split(".")[-1]: c / n for op, c in mode.get_comm_counts().items()}
     return {"logits": diff[0].item(), "grads": diff[1].item(), "forward": calls(fwd), "backward": calls(bwd)}
@@ -241,7 +241,7 @@ def compare_dtensor(ref, mesh, idx, targets) -> dict:
 # %% ../nbs/05c_tensor_parallel.ipynb #fdf7de1f
 def tp_grad_norm(model, group=None) -> torch.Tensor:  # a `tensor_parallel` model after backward; its TP group
     "The norm of all gradients of the model one process would hold: the split ones summed over `group`."
-    split, whole = torch.zeros(()), torch.zeros(())
+    split, whole = (torch.zeros((), device=next(model.parameters()).device) for _ in range(2))
     for name, p in model.named_parameters():  # the tied wte / lm_head matrix once
         if p.grad is None: continue
         if is_split(model, name): split += p.grad.pow(2).sum()

@@ -199,7 +199,8 @@ def _train_mesh(cfg) -> dict:
     acc = _start(cfg)
     set_seed(cfg.seed)
     tok, train_dl, val_dl, hf = _setup(cfg, acc)
-    mesh, meter = Mesh(hf, cfg, acc.autocast), _Meter(acc, hf, cfg.seq_len)  # MFU: the whole model's FLOPs
+    mesh = Mesh(hf, cfg, acc.autocast, acc.device)  # its piece and batches on this process's device
+    meter = _Meter(acc, hf, cfg.seq_len)  # MFU: the whole model's FLOPs
     acc.register_for_checkpointing(MeshState(mesh))  # each rank's piece, saved with dcp (the resharding lesson)
     val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
     memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece

@@ -72,3 +72,67 @@ def test_exported_cells_import_only_earlier_lessons(lesson):
     later = [m for m in re.findall(r"from distcourse\.(\w+) import", code)
              if m in OWNER and LESSONS.index(OWNER[m]) > LESSONS.index(lesson)]
     assert not later, f"{lesson} exports code that imports a later lesson's module: {later}"
+
+
+# Tensor factories that make a new tensor on the default device (the CPU) unless told `device=`;
+# `*_like`, `new_*`, `cat`, `stack` and arithmetic follow their inputs, so they are not listed.
+FACTORIES = {"zeros", "ones", "empty", "full", "tensor", "arange", "range", "linspace", "logspace",
+             "eye", "rand", "randn", "randint", "randperm", "empty_strided"}
+CPU_MARK = "# CPU on purpose"  # then why: e.g. "# CPU on purpose: one process reads the pieces"
+# Modules whose code runs under a process group (NCCL on GPUs refuses a CPU tensor in a collective).
+DISTRIBUTED = [p for p in MODULES if re.search(r"torch\.distributed|[Aa]ccelerator", p.read_text())]
+
+
+def factories_without_device(source) -> list:
+    "Lines of `torch.<factory>(...)` calls with no `device=` and no CPU_MARK on them or the line above."
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+                and node.func.attr in FACTORIES):
+            continue
+        if any(k.arg == "device" for k in node.keywords): continue
+        near = lines[max(node.lineno - 2, 0):node.end_lineno]  # the line above to the call's last
+        if not any(CPU_MARK in line for line in near): found.append(node.lineno)
+    return sorted(found)
+
+
+def test_device_check_catches_a_planted_offender():
+    src = ("import torch\n"
+           "def f(p):\n"
+           "    total = torch.zeros(())\n"                    # line 3: the offender
+           "    norm = torch.zeros((), device=p.device)\n"
+           "    # CPU on purpose: a table for a plot\n"
+           "    grid = torch.full((2, 2), -1)\n"
+           "    ids = torch.arange(3)  # CPU on purpose: positions of a CPU-only demo\n"
+           "    like = torch.zeros_like(p)\n"
+           "    buf = torch.empty(\n"                         # line 9: a call over two lines
+           "        (2, 3), dtype=p.dtype)\n"
+           "    return total, norm, grid, ids, like, buf\n")
+    assert factories_without_device(src) == [3, 9]
+
+
+def test_device_check_catches_a_reverted_fix():
+    "Put back the mesh's CPU loss accumulator (the bug this check is for): the check names it."
+    source = (ROOT / "distcourse" / "mesh.py").read_text()
+    fixed = "torch.zeros((), device=self.device)"
+    assert f"total = {fixed}" in source
+    planted = source.replace(f"total = {fixed}", "total = torch.zeros(())")
+    lines = planted.splitlines()
+    found = [lines[i - 1].strip() for i in factories_without_device(planted)]
+    assert found == ["total = torch.zeros(())"], found
+
+
+def test_distributed_modules_are_found():
+    names = {p.stem for p in DISTRIBUTED}
+    assert {"mesh", "tensor_parallel", "sequence_parallel", "pipeline", "context_parallel", "zero",
+            "ddp", "comm", "train", "reshard", "resume", "checkpoint"} <= names, names
+
+
+@pytest.mark.parametrize("path", DISTRIBUTED, ids=lambda p: p.stem)
+def test_tensors_made_on_the_model_device(path):
+    bad = factories_without_device(path.read_text())
+    assert not bad, (f"{path.name} lines {bad} make a tensor without device=: under NCCL it would "
+                     f"sit on the CPU while the model is on a GPU; pass device= (the model's), "
+                     f"or mark the line '{CPU_MARK}: why'")
