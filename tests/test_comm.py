@@ -40,7 +40,8 @@ def test_every_collective_at_every_size(two):
     sizes = sorted({r["bytes"] for r in two})
     assert sizes == [1024 * 4 ** k for k in range(6)]  # 1 KiB ... 1 MiB
     assert {(r["collective"], r["bytes"]) for r in two} == {(c, s) for c in TIMED for s in sizes}
+    factor = {"all_reduce": 1.0, "broadcast": 1.0, "send_recv": 1.0,  # nccl-tests' factors at 2 ranks, by hand
+              "all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5}
     for r in two:
-        assert r["seconds"] > 0
         assert r["algbw"] == pytest.approx(r["bytes"] / r["seconds"])
-        assert r["busbw"] == pytest.approx(r["algbw"] * bus_factor(r["collective"], 2))
+        assert r["busbw"] == pytest.approx(r["bytes"] / r["seconds"] * factor[r["collective"]])

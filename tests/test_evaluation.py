@@ -44,8 +44,16 @@ def test_two_processes_equal_one(results, task):
         assert one["accuracy"] == two["accuracy"] and one["macro_f1"] == two["macro_f1"]  # exactly
     else:
         assert abs(one["perplexity"] - two["perplexity"]) <= 1e-6 * one["perplexity"]
-    # evaluate_distributed agrees with the per-example stats gathered in the same run
-    assert summarize(results[task, 2]["exact"], task)["loss"] == pytest.approx(two["loss"], abs=1e-9)
+    # evaluate_distributed against the per-example stats gathered in the same run, added up by hand
+    exact = results[task, 2]["exact"]
+    by_hand = sum(float(x) for x in exact["loss"]) / sum(int(c) for c in exact["count"])  # per token
+    assert two["loss"] == pytest.approx(by_hand, rel=1e-9)
+    if task == "cls": assert two["accuracy"] == sum(int(c) for c in exact["correct"]) / n
+    # and those gathered stats are one process's own, example by example (one process gathers nothing)
+    alone = results[task, 1]["plain"]
+    want = sorted(alone["loss"].tolist())
+    assert sorted(exact["loss"].tolist()) == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert sorted(exact["count"].tolist()) == sorted(alone["count"].tolist())
 
 
 def test_plain_gather_gives_wrong_counts(results):

@@ -1,5 +1,6 @@
-"""Every lesson has the course's arc (STYLE.md): What to remember, at least three exercises, each with a check cell,
-and worked solutions that the tests run. (Each lesson's figure is checked on its page by tests/test_site.py.)"""
+"""Every lesson has the course's arc (STYLE.md): What to remember, at least three exercises, each
+with a check cell, and worked solutions that the tests run, where each check is also fed a wrong
+answer that it must refuse. (Each lesson's figure is checked on its page by tests/test_site.py.)"""
 import json
 import re
 
@@ -23,6 +24,32 @@ def sections(nb) -> dict:
     return out
 
 
+def failing_calls(code) -> list:
+    "The text inside each `test_fail(...)` call of `code`, parentheses balanced."
+    out = []
+    for m in re.finditer(r"\btest_fail\(", code):
+        depth, i = 1, m.end()
+        while depth and i < len(code):
+            depth += {"(": 1, ")": -1}.get(code[i], 0)
+            i += 1
+        out.append(code[m.end():i - 1])
+    return out
+
+
+def fragment(call) -> str:
+    "The literal text of a test_fail call's `contains=`, {fields} left out ('' if none)."
+    m = re.search(r"contains=f?([\"'])(.*?)\1", call)
+    return re.sub(r"\{[^}]*\}", "", m.group(2)).strip() if m else ""
+
+
+def test_failing_calls():
+    code = 'check_a(1)\ntest_fail(lambda: check_b(f(2)), contains="==")\ntest_fail(g, args=[c])'
+    assert failing_calls(code) == ['lambda: check_b(f(2)), contains="=="', "g, args=[c]"]
+    assert [fragment(c) for c in failing_calls(code)] == ["==", ""]
+    assert fragment('f, contains=f"{msg}"') == ""  # "{msg}" may be "": it matches any error
+    assert fragment("f, contains=f'at {n} steps'") == "at  steps"
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_lesson_arc(path):
     s = sections(json.loads(path.read_text()))
@@ -39,3 +66,8 @@ def test_lesson_arc(path):
     assert len(defined) >= 3, f"{path.name}: {len(defined)} check functions"
     unsolved = [f for f in defined if f"{f}(" not in solved]
     assert not unsolved, f"{path.name}: the Solutions never call {unsolved}"
+    refused = failing_calls(solved)
+    untested = [f for f in defined if not any(re.search(rf"\b{f}\(", c) for c in refused)]
+    assert not untested, f"{path.name}: no wrong answer fed to {untested} inside a test_fail(...)"
+    vague = [c for c in refused if re.search(r"\bcheck_\w+\(", c) and not fragment(c)]
+    assert not vague, f"{path.name}: test_fail without contains='...' passes on any error: {vague}"
