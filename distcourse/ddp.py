@@ -86,11 +86,11 @@ def clip_grads(accelerator, model, max_norm) -> torch.Tensor:
     "Clip the gradients by their global norm √Σg² (torch's rule); returns the norm before clipping."
     accelerator.unscale_gradients()  # fp16: the loss scale divided out first
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    squares = [g.float().pow(2).sum() for g in grads]  # FSDP2: DTensors holding each rank's partial sum
+    squares = [g.float().pow(2).sum() for g in grads]  # FSDP2: DTensors, each rank's partial sum
     sq = sum(squares[1:], squares[0])
     norm = (sq.full_tensor() if isinstance(sq, DTensor) else sq).sqrt()  # a collective under FSDP2
-    # Not torch.nn.utils.clip_grad_norm_: on CPU its fp32 vector_norm of the 524,288-element wte gradient of
-    # `tiny` is 1.5e-4 low (√Σg² 1e-8), so the norm it reports changes with how FSDP2 shards that matrix.
+    # Not torch.nn.utils.clip_grad_norm_: on CPU its fp32 vector_norm of the 524,288-element wte
+    # gradient of `tiny` is 1.5e-4 low (√Σg²: 1e-8), so its norm changes with how FSDP2 shards wte.
     scale = min(1.0, max_norm / (float(norm) + 1e-6))
     for g in grads: g.mul_(scale)
     return norm
@@ -98,10 +98,10 @@ def clip_grads(accelerator, model, max_norm) -> torch.Tensor:
 def train_step(accelerator, model, optimizer, scheduler,  # prepared by `accelerator` (the scheduler may be left out)
                micro_batches,   # this process's micro-batches of one optimizer step
                task, max_grad_norm=1.0,
-               loss_fn=loss_sum,  # (model, batch, task) -> (loss sum, count): `loss_sum`, or it compiled
-               on_grads=None) -> dict:  # called as on_grads(model) on every rank once the gradients
-                                        # are reduced, before clipping (e.g. to save `full_grads`);
-                                        # ZeRO-2 by hand reduces in its clipping: its grads are local here
+               loss_fn=loss_sum,  # (model, batch, task) -> (loss sum, count), e.g. `loss_sum`
+               on_grads=None) -> dict:  # on_grads(model), on every rank, once the gradients are
+                                        # reduced and before clipping (e.g. to save `full_grads`);
+                                        # ZeRO-2 by hand reduces in its clipping: local grads here
     "One optimizer step: loss = Σ token losses ÷ tokens of the global batch (all ranks, all micro-batches)."
     local = sum(count_targets(b, task) for b in micro_batches)
     n = accelerator.reduce(local.to(accelerator.device), "sum")  # tokens of the global batch, before any backward
@@ -118,7 +118,7 @@ def train_step(accelerator, model, optimizer, scheduler,  # prepared by `acceler
     clip = getattr(optimizer, "clip_grad_norm_", None)  # ZeRO-2 by hand (lesson 05a) holds the reduced grads
     if clip: grad_norm = clip(max_grad_norm)
     elif accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)  # the engine's own
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)  # the engine's
     else: grad_norm = clip_grads(accelerator, model, max_grad_norm)
     optimizer.step()
     if not accelerator.optimizer_step_was_skipped:  # (fp16 overflow) once per step, whatever the process count
@@ -137,11 +137,11 @@ def train_steps(accelerator, model, optimizer, scheduler,
     for step in range(start + 1, steps + 1):
         micro = [next(batches) for _ in range(grad_accum)]  # this process's micro-batches of one step
         hook = partial(on_grads, step=step) if on_grads else None  # on_grads(model, step=step)
-        yield step, train_step(accelerator, model, optimizer, scheduler, micro, task, max_grad_norm, loss_fn,
-                               hook)
+        yield step, train_step(accelerator, model, optimizer, scheduler, micro, task, max_grad_norm,
+                               loss_fn, hook)
 
 def full_grads(model) -> dict:
-    "Every parameter's whole gradient by name, on CPU (FSDP2's shards gathered: every rank calls it)."
+    "Every parameter's whole gradient by name, on CPU (FSDP2's shards gathered: all ranks call it)."
     out = {}
     for name, p in model.named_parameters():  # a tied matrix once, under its first name
         if p.grad is None: continue
@@ -165,8 +165,11 @@ def train_worker(out_dir, task="clm", batch_size=8, grad_accum=1, steps=4, lr=3e
     opt = make_optimizer(model, lr)
     sched = make_scheduler(opt, warmup_steps, max_steps=steps)  # not prepared: train_step steps it once
     model, opt, train_dl, val_dl = acc.prepare(model, opt, train_dl, val_dl)
-    hist = [{**res, "lr": sched.get_last_lr()[0]}
-            for _, res in train_steps(acc, model, opt, sched, epochs(train_dl), task, steps, grad_accum=grad_accum)]
+    def first_grads(model, step):  # step 1's whole gradients, reduced, not clipped: for the proofs
+        if step == 1: acc.save(full_grads(acc.unwrap_model(model)), Path(out_dir, "grads_step1.pt"))
+    steps_run = train_steps(acc, model, opt, sched, epochs(train_dl), task, steps,
+                            grad_accum=grad_accum, on_grads=first_grads)
+    hist = [{**res, "lr": sched.get_last_lr()[0]} for _, res in steps_run]
     model.eval()
     with torch.no_grad(): parts = [acc.gather_for_metrics(example_stats(model, b, task)) for b in val_dl]
     val = summarize({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, task)
