@@ -163,10 +163,11 @@ def _loop(acc, cfg, run, meter, steps, start, tokens, stream, lr, evaluate) -> d
     return after
 
 def _grads_saver(acc, cfg):
-    "on_grads for the steps: at step --grads_at every full gradient, before clipping, into grads_step<N>.pt."
-    def save(model, step):  # model: the prepared model or a `Mesh`; every rank calls it at every step
+    "on_grads for the steps: step --grads_at's full gradients (not clipped) into grads_step<N>.pt."
+    def save(model, step):  # model: the prepared model or a `Mesh`; every rank, every step
         if step != cfg.grads_at: return
-        grads = model.full_grads() if isinstance(model, Mesh) else full_grads(acc.unwrap_model(model))
+        if isinstance(model, Mesh): grads = model.full_grads()  # gathered over tp and the stages
+        else: grads = full_grads(acc.unwrap_model(model))  # FSDP2's shards gathered
         if acc.is_main_process: torch.save(grads, Path(cfg.output_dir, f"grads_step{step}.pt"))
     return save if cfg.grads_at else None
 
