@@ -153,8 +153,8 @@ def _loss_sums(self: Mesh, micro, n):  # micro: this rank's [(x, y)]; n: tokens 
 # %% ../nbs/05g_mesh.ipynb #bcc5a7be
 @patch
 def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of one optimizer step
-         on_grads=None) -> dict:  # called as on_grads(self) on every rank once the gradients are summed,
-                                  # before clipping (e.g. to save `full_grads`)
+         on_grads=None) -> dict:  # on_grads(self), on every rank, once the gradients are summed
+                                  # and before clipping (e.g. to save `full_grads`)
     "One optimizer step, equal to one process on the global batch: loss, clipping, AdamW, schedule."
     local = sum((y != -100).sum() for _, y in micro)
     n = local.clone()
@@ -199,8 +199,9 @@ def grad_norm(self: Mesh) -> torch.Tensor:
 @patch
 def full_state(self: Mesh, grads=False) -> dict:  # grads=True: the gradients instead of the weights
     "The weights one process would hold, GPT-named, on every rank (a collective: every rank calls it)."
-    if self.d["tp"] > 1: mine = gather_full_state(self.model, grads=grads)  # this stage's, gathered over tp
-    else: mine = {n: (p.grad if grads else p).detach().clone() for n, p in self.model.named_parameters()}
+    if self.d["tp"] > 1: mine = gather_full_state(self.model, grads=grads)  # this stage's, over tp
+    else: mine = {n: (p.grad if grads else p).detach().clone()
+                  for n, p in self.model.named_parameters()}
     if self.d["pp"] == 1: return mine
     if self.model.is_last and not self.model.is_first: mine.pop("lm_head.weight")  # the tied copy
     parts = [None] * self.d["pp"]
@@ -209,7 +210,7 @@ def full_state(self: Mesh, grads=False) -> dict:  # grads=True: the gradients in
 
 @patch
 def full_grads(self: Mesh) -> dict:
-    "The gradients one process would hold, under transformers' GPT-2 names (Conv1D transposed), on CPU."
+    "The gradients one process would hold, under transformers' GPT-2 names (Conv1D transposed)."
     state = self.full_state(grads=True)  # a collective: every rank calls it
     return {k: (g.t() if k.endswith(CONV1D) else g).float().cpu() for k, g in state.items()}
 
