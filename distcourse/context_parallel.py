@@ -249,7 +249,7 @@ def toy_batches(steps, B, T, vocab, seed=0) -> list:
     return list((start + stride * torch.arange(T + 1)) % vocab)  # steps x (B, T+1)
 
 def reference_losses(cfg, steps=10, B=4, T=32, lr=3e-3, seed=0,
-                     record=None) -> list:  # a dict to fill: "grad_norms" per step, "grads" of step 1
+                     record=None) -> list:  # dict to fill: "grad_norms" per step, step 1's "grads"
     "One process: GPT's own forward and mean loss, AdamW; the losses every cp run must reproduce."
     torch.manual_seed(seed)
     model = GPT(cfg)
@@ -287,9 +287,10 @@ def cp_train_worker(out_dir, cfg: dict, cp=None, steps=10, B=4, T=32, lr=3e-3, s
         loss_sum = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
         (loss_sum / (B * T)).backward()  # normalised by the global token count: the ranks' gradients add up
         for p in model.parameters(): dist.all_reduce(p.grad)  # sum over all cp and dp ranks
-        norms.append(sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt().item())  # as one process
+        norms.append(sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt().item())
         if rank == 0 and len(norms) == 1:  # step 1's whole gradients, by name
-            torch.save({k: p.grad for k, p in model.named_parameters()}, Path(out_dir, f"grads_cp{cp}.pt"))
+            grads = {k: p.grad for k, p in model.named_parameters()}
+            torch.save(grads, Path(out_dir, f"grads_cp{cp}.pt"))
         opt.step()
         opt.zero_grad()
         total = loss_sum.detach().clone()

@@ -59,12 +59,13 @@ def worst_rel(want, got) -> float:
     return max(abs(a - b) / abs(a) for a, b in zip(want, got))
 
 
-def grads_diff(want, got) -> float:  # {name: full gradient} dicts, or the paths of files holding them
+def grads_diff(want, got) -> float:  # {name: full gradient} dicts, or paths of files holding them
     "The largest ‖Δg‖ of one parameter over the whole gradient's norm; names and shapes must match."
     want, got = (torch.load(g) if isinstance(g, (str, Path)) else g for g in (want, got))
     assert want.keys() == got.keys(), sorted(set(want) ^ set(got))
-    assert all(want[k].shape == got[k].shape for k in want), [k for k in want if want[k].shape != got[k].shape]
-    # Over the whole norm, not each parameter's own: the key third of c_attn.bias has a zero gradient in exact
-    # arithmetic (softmax ignores a shift of every score), so its own relative difference is noise over noise.
+    shapes = [k for k in want if want[k].shape != got[k].shape]
+    assert not shapes, shapes
+    # Over the whole norm, not each parameter's own: the key third of c_attn.bias has a zero
+    # gradient in exact arithmetic (softmax ignores a shift of all scores): its own ratio is noise.
     whole = sum(g.double().pow(2).sum() for g in want.values()).sqrt()
     return max(((got[k].double() - g.double()).norm() / whole).item() for k, g in want.items())

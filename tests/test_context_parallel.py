@@ -94,9 +94,10 @@ def test_gpt_training_equals_one_process(tmp_path, reference, cp, world):
     worst = worst_rel(losses, res["losses"])
     assert worst <= LOSS_TOL, (worst, res["losses"], losses)
     assert losses[-1] < losses[0] - 0.2  # it trains
-    # AdamW's update ignores a constant factor on every gradient: only the gradients themselves show one.
+    # AdamW's update ignores a constant factor on every gradient: only the gradients show one.
     norms = worst_rel(record["grad_norms"], res["grad_norms"])
     grads = grads_diff(record["grads"], tmp_path / f"grads_cp{cp}.pt")
-    print(f"cp={cp} on {world}: worst relative loss {worst:.1e}, gradient norm {norms:.1e}, step-1 gradient {grads:.1e}")
+    print(f"cp={cp} on {world}: worst relative loss {worst:.1e}, gradient norm {norms:.1e}, "
+          f"step-1 gradient {grads:.1e}")
     assert norms <= NORM_TOL and grads <= GRAD_TOL, (norms, grads)
     assert res["stats"]["kv_sends"] == TINY["n_layer"] * (cp - 1)  # one forward: p - 1 per layer
