@@ -50,6 +50,7 @@ class Config:
     save_every: int = 0          # checkpoint every N steps; 0: no intermediate checkpoints
     keep_checkpoints: int = 3    # complete checkpoints kept, newest first
     log_every: int = 10          # a train record in metrics.jsonl every N steps
+    grads_at: int = 0            # grads_step<N>.pt: step N's full gradients, pre-clip; 0: none
     seed: int = 0                # initial weights, data split and order
     mixed_precision: str = "auto"  # auto (bf16 where the device computes in bf16 natively, else no), no, bf16, fp16
     compile: str = "auto"        # auto (torch.compile for 300+ steps of a causal LM with DDP: it pays after ~250), true, false

@@ -256,18 +256,23 @@ def toy_batches(steps, B, T, vocab, seed=0) -> list:
     stride = torch.randint(1, 4, (steps, B, 1), generator=g)  # CPU on purpose: as above
     return list((start + stride * torch.arange(T + 1)) % vocab)  # CPU on purpose: steps x (B, T+1)
 
-def reference_losses(cfg, steps=10, B=4, T=32, lr=3e-3, seed=0) -> list:
+def reference_losses(cfg, steps=10, B=4, T=32, lr=3e-3, seed=0,
+                     record=None) -> list:  # dict to fill: "grad_norms" per step, step 1's "grads"
     "One process: GPT's own forward and mean loss, AdamW; the losses every cp run must reproduce."
     torch.manual_seed(seed)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
+    losses, norms = [], []
     for batch in toy_batches(steps, B, T, cfg.vocab_size, seed):
         loss = model(batch[:, :-1], batch[:, 1:])[1]
         loss.backward()
+        norms.append(sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt().item())
+        if record is not None and len(norms) == 1:
+            record["grads"] = {k: p.grad.clone() for k, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if record is not None: record["grad_norms"] = norms
     return losses
 
 # %% ../nbs/05f_context_parallel.ipynb #34a0f25f
@@ -282,7 +287,7 @@ def cp_train_worker(out_dir, cfg: dict, cp=None, steps=10, B=4, T=32, lr=3e-3, s
     torch.manual_seed(seed)
     model = GPT(GPTConfig(**cfg))  # the same initial weights on every rank
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    pos, losses, stats = zigzag_positions(T, cp_rank, cp), [], {}
+    pos, losses, norms, stats = zigzag_positions(T, cp_rank, cp), [], [], {}
     for batch in toy_batches(steps, B, T, cfg["vocab_size"], seed):  # (B, T+1), the global batch
         rows = batch.chunk(dp)[dp_rank]  # this data-parallel replica's sequences
         x, y = zigzag_split(rows[:, :-1], cp_rank, cp), zigzag_split(rows[:, 1:], cp_rank, cp)  # (B/dp, T/cp)
@@ -290,10 +295,15 @@ def cp_train_worker(out_dir, cfg: dict, cp=None, steps=10, B=4, T=32, lr=3e-3, s
         loss_sum = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
         (loss_sum / (B * T)).backward()  # normalised by the global token count: the ranks' gradients add up
         for p in model.parameters(): dist.all_reduce(p.grad)  # sum over all cp and dp ranks
+        norms.append(sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt().item())
+        if rank == 0 and len(norms) == 1:  # step 1's whole gradients, by name
+            grads = {k: p.grad for k, p in model.named_parameters()}
+            torch.save(grads, Path(out_dir, f"grads_cp{cp}.pt"))
         opt.step()
         opt.zero_grad()
         total = loss_sum.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / (B * T))
     if rank == 0:
-        Path(out_dir, f"cp{cp}_world{world}.json").write_text(json.dumps({"losses": losses, "stats": stats}))
+        res = {"losses": losses, "grad_norms": norms, "stats": stats}
+        Path(out_dir, f"cp{cp}_world{world}.json").write_text(json.dumps(res))

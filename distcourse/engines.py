@@ -10,13 +10,13 @@ import copy
 import json
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .comm import tensor_bytes
 from .launch import make_accelerator
 from .loop import epochs, loss_sum, make_optimizer, make_scheduler, setup
 from .memory import memory_report
-
 
 # %% ../nbs/05h_engines.ipynb #fa7630a4
 def _master_bytes(optimizer) -> int:
@@ -30,6 +30,7 @@ def deepspeed_worker(out_dir, stages=(1, 2, 3), steps=4, batch_size=8, seq_len=3
                      max_examples=400, max_grad_norm=1.0):
     "Worker: `deepspeed.initialize` at each ZeRO stage, same weights and batches as `zero_worker`; rank 0 writes."
     import deepspeed  # optional: pip install -e ".[deepspeed]"
+    from deepspeed.utils import safe_get_full_grad
     acc = make_accelerator()  # only for the prepared loader (zero_worker's batches) and the reductions
     base, train_dl, _ = setup("clm", batch_size, seq_len=seq_len, max_examples=max_examples, model=model)
     train_dl, res = acc.prepare(train_dl), {"world_size": acc.num_processes}
@@ -40,17 +41,22 @@ def deepspeed_worker(out_dir, stages=(1, 2, 3), steps=4, batch_size=8, seq_len=3
                "zero_allow_untested_optimizer": True}  # our AdamW (make_optimizer), not DeepSpeed's fused one
         engine, opt, _, _ = deepspeed.initialize(model=net, optimizer=make_optimizer(net, lr), config=cfg,
                                                  lr_scheduler=lambda o: make_scheduler(o, 1, steps))
-        batches, losses = epochs(train_dl), []
-        for _ in range(steps):
+        batches, losses, norms = epochs(train_dl), [], []
+        for i in range(steps):
             s, n = loss_sum(engine, next(batches), "clm")
             n = acc.reduce(n, "sum")
             engine.backward(s * acc.num_processes / n)  # DeepSpeed divides by the ranks, like DDP
+            if i == 0:  # step 1's whole reduced gradients, by name (a collective at stage 3)
+                grads = {k: safe_get_full_grad(p).float().cpu() for k, p in net.named_parameters()}
+                if acc.is_main_process:
+                    torch.save(grads, Path(out_dir, f"grads_ds_stage{stage}.pt"))
             engine.step()                               # clips, steps, zeroes the gradients, steps the schedule
             losses.append((acc.reduce(s.detach(), "sum") / n).item())
+            norms.append(float(engine.get_global_grad_norm()))  # before clipping
         mems = [None] * acc.num_processes
         dist.all_gather_object(mems, {"optimizer_bytes": memory_report(engine, opt)["optimizer_bytes"],
                                       "master_bytes": _master_bytes(opt)})
-        res[stage] = {"losses": losses, "memory": mems}
+        res[stage] = {"losses": losses, "grad_norms": norms, "memory": mems}
         engine.destroy()
     if acc.is_main_process: Path(out_dir, "deepspeed.json").write_text(json.dumps(res))
     dist.barrier()

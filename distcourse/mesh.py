@@ -7,6 +7,7 @@ __all__ = ['SUPPORTED', 'CONV1D', 'check_degrees', 'mesh_layout', 'my_groups', '
 
 # %% ../nbs/05g_mesh.ipynb #a2a9a5d2
 from contextlib import nullcontext
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -160,7 +161,9 @@ def _loss_sums(self: Mesh, micro, n):  # micro: this rank's [(x, y)]; n: tokens 
 
 # %% ../nbs/05g_mesh.ipynb #bcc5a7be
 @patch
-def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(x, y)] of one optimizer step
+def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of one optimizer step
+         on_grads=None) -> dict:  # on_grads(self), on every rank, once the gradients are summed
+                                  # and before clipping (e.g. to save `full_grads`)
     "One optimizer step, equal to one process on the global batch: loss, clipping, AdamW, schedule."
     local = sum((y != -100).sum() for _, y in micro)
     n = local.clone()
@@ -175,6 +178,7 @@ def step(self: Mesh, micro, max_grad_norm=1.0) -> dict:  # micro: this rank's [(
     for g in grads: dist.all_reduce(g, group=self.g["dp"])  # Σ over data-parallel replicas
     if self.d["cp"] > 1:
         for g in grads: dist.all_reduce(g, group=self.g["cp"])  # Σ over the sequence's chunks
+    if on_grads: on_grads(self)
     norm = self.grad_norm()
     scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_
     for g in grads: g.mul_(scale)
@@ -203,10 +207,11 @@ def grad_norm(self: Mesh) -> torch.Tensor:
     return sq.sqrt()
 
 @patch
-def full_state(self: Mesh) -> dict:
+def full_state(self: Mesh, grads=False) -> dict:  # grads=True: the gradients instead of the weights
     "The weights one process would hold, GPT-named, on every rank (a collective: every rank calls it)."
-    if self.d["tp"] > 1: mine = gather_full_state(self.model, grads=False)  # this stage's, gathered over tp
-    else: mine = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+    if self.d["tp"] > 1: mine = gather_full_state(self.model, grads=grads)  # this stage's, over tp
+    else: mine = {n: (p.grad if grads else p).detach().clone()
+                  for n, p in self.model.named_parameters()}
     if self.d["pp"] == 1: return mine
     if self.model.is_last and not self.model.is_first: mine.pop("lm_head.weight")  # the tied copy
     # CPU on purpose: a pickled CUDA tensor unpickles on the sender's GPU, not on this rank's
@@ -214,6 +219,12 @@ def full_state(self: Mesh) -> dict:
     parts = [None] * self.d["pp"]
     dist.all_gather_object(parts, mine, group=self.pipe.pipe)
     return {k: v for part in parts for k, v in part.items()}
+
+@patch
+def full_grads(self: Mesh) -> dict:
+    "The gradients one process would hold, under transformers' GPT-2 names (Conv1D transposed)."
+    state = self.full_state(grads=True)  # a collective: every rank calls it
+    return {k: (g.t() if k.endswith(CONV1D) else g).float().cpu() for k, g in state.items()}
 
 # %% ../nbs/05g_mesh.ipynb #d4e8a1b7
 @patch
@@ -244,11 +255,13 @@ def loader(self: Mesh, train_dl):  # the trainer's loader, batch_size examples p
     return dl
 
 @patch
-def train_steps(self: Mesh, batches, steps, start=0, grad_accum=1, max_grad_norm=1.0):
+def train_steps(self: Mesh, batches, steps, start=0, grad_accum=1, max_grad_norm=1.0,
+                on_grads=None):  # called as on_grads(self, step) before clipping, at every step
     "As `ddp.train_steps`: `step` on `grad_accum` global micro-batches; yields (step, its result)."
     for step in range(start + 1, steps + 1):
         micro = [self.rows(next(batches)) for _ in range(grad_accum)]
-        yield step, self.step(micro, max_grad_norm)
+        hook = partial(on_grads, step=step) if on_grads else None  # on_grads(self, step=step)
+        yield step, self.step(micro, max_grad_norm, hook)
 
 # %% ../nbs/05g_mesh.ipynb #5a4b3c2d
 @patch

@@ -240,7 +240,9 @@ def _report(api, loss, grads, events, want, pp) -> dict:
     got = {}
     for per_rank in grads:  # the lm_head copy is compared with the tied matrix's gradient
         got.update({"transformer.wte.weight" if n == "lm_head.weight" else n: g for n, g in per_rank.items()})
+    def norm(grads): return sum(g.pow(2).sum() for g in grads.values()).sqrt().item()  # tied: once
     out = {"loss": loss.item(), "grad_diff": max((g - want[n]).abs().max().item() for n, g in got.items()),
+           "norm_diff": abs(norm(got) - norm(want)) / norm(want),  # relative, before any clipping
            "missing": sorted(set(want) - set(got)), "grads": got}
     if api == "hand":
         events = [e for per_rank in events[:pp] for e in per_rank]  # the first pipeline's stages

@@ -16,7 +16,7 @@ from accelerate.utils import gather_object
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .checkpoint import DataStream, check_output_dir, latest_checkpoint, load_checkpoint, save_checkpoint
-from .ddp import train_steps
+from .ddp import full_grads, train_steps
 from .launch import make_accelerator
 from .loop import make_scheduler, setup
 from .resume import ShardedState
@@ -44,7 +44,8 @@ def reshard_worker(output_dir,      # checkpoints, steps.jsonl go here; resumes 
                    save_every=6,    # save every N steps
                    zero_stage=0,    # 0 DDP, 1-3 ZeRO (2-3: FSDP2 shards saved with dcp)
                    batch_size=8, grad_accum=1,  # per process: the global batch is these x the processes
-                   lr=3e-3, seed=0, model="tiny", seq_len=32, max_examples=80):
+                   lr=3e-3, seed=0, model="tiny", seq_len=32, max_examples=80,
+                   grads_at=0):     # this step's full gradients, not clipped: grads_step<N>.pt
     "Worker: a run that saves every `save_every` steps and resumes on any world size with the same global batch."
     acc, out = make_accelerator(), Path(output_dir)
     check_output_dir(out)
@@ -61,10 +62,15 @@ def reshard_worker(output_dir,      # checkpoints, steps.jsonl go here; resumes 
         state = load_checkpoint(acc, last, expect=fingerprint)
         step = state["step"]; stream.load_state_dict(state["data"])
     ids = IdStream(stream, index)
-    for step, res in train_steps(acc, net, opt, sched, ids, "clm", max_steps, start=step, grad_accum=grad_accum):
+    def save_grads(model, step):  # every rank: FSDP2 gathers its shards
+        grads = full_grads(acc.unwrap_model(model)) if step == grads_at else None
+        if grads and acc.is_main_process: torch.save(grads, out / f"grads_step{step}.pt")
+    for step, res in train_steps(acc, net, opt, sched, ids, "clm", max_steps, start=step,
+                                 grad_accum=grad_accum, on_grads=save_grads):
         taken, ids.taken = gather_object([ids.taken]), []  # every rank's ids of this step, in rank order
-        record = {"step": step, "loss": res["loss"], "world": acc.num_processes,
-                  "ids": sorted(i for part in taken for i in part), **stream.state_dict()}
+        record = {"step": step, "loss": res["loss"], "grad_norm": res["grad_norm"],  # pre-clip
+                  "world": acc.num_processes, "ids": sorted(i for part in taken for i in part),
+                  **stream.state_dict()}
         if acc.is_main_process:
             with open(out / "steps.jsonl", "a") as f: f.write(json.dumps(record) + "\n")
         if step % save_every == 0:

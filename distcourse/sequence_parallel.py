@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, all_reduce_, check_tp,
                                         gather_full_state, random_batches, rel_diff, step_and_count,
-                                        tensor_parallel, tiny_gpt, train_losses)
+                                        tensor_parallel, tiny_gpt, tp_grad_norm, train_losses)
 
 # %% ../nbs/05d_sequence_parallel.ipynb #ce98333b
 def _all_gather(t, group, direction, log):  # (B, T/tp, C) -> (B, T, C): every rank's chunk in rank order
@@ -153,17 +153,24 @@ def compare_dp_tp(ref, mesh, batches, steps, lr=1e-2) -> dict:
     want_grads = {k: p.grad for k, p in ref.named_parameters()}
     model = tensor_parallel(ref, tp_group)
     logits, _, log = step_and_count(model, *mine[0])
-    dp_log = []
+    dp_log, norms = [], {"one process": [], "dp x tp": []}  # every step's gradient norm
     average_grads(model, dp_group, dp_log)  # one all-reduce per local tensor
-    losses = torch.tensor(train_losses(tensor_parallel(ref, tp_group), mine, steps, lr,
-                                       lambda m: average_grads(m, dp_group)),
+    def sync(m):  # the replicas' mean gradient, then its norm as one process would have it
+        average_grads(m, dp_group)
+        norms["dp x tp"].append(tp_grad_norm(m, tp_group).item())
+    def norm_one(m):  # one process: √Σg² of every gradient
+        norms["one process"].append(torch.stack([p.grad.pow(2).sum() for p in m.parameters()])
+                                    .sum().sqrt().item())
+    losses = torch.tensor(train_losses(tensor_parallel(ref, tp_group), mine, steps, lr, sync),
                           dtype=torch.float64, device=logits.device)
     dist.all_reduce(losses, group=dp_group)  # each dp rank's loss is the mean over its share
     return {"logits": (logits - want_logits.chunk(dp)[dp_rank]).abs().max().item(),
             "log": log, "dp_log": dp_log, "local_params": sum(p.numel() for p in model.parameters()),
             "grads": rel_diff(gather_full_state(model, grads=True), want_grads),
-            "losses": {"one process": train_losses(copy.deepcopy(ref), batches, steps, lr),
-                       "dp x tp": (losses / dp).tolist()}}
+            "losses": {"one process": train_losses(copy.deepcopy(ref), batches, steps, lr,
+                                                   norm_one),
+                       "dp x tp": (losses / dp).tolist()},
+            "norms": norms}
 
 # %% ../nbs/05d_sequence_parallel.ipynb #5ca7eb1b
 def sp_worker(out_dir, tp=None, steps=20, seed=0):  # tp: the TP degree, all processes when None
@@ -178,6 +185,12 @@ def sp_worker(out_dir, tp=None, steps=20, seed=0):  # tp: the TP degree, all pro
     if dp > 1: res["dp_tp"] = compare_dp_tp(ref, mesh, batches, steps)
     else:
         res["sp"] = compare_sp(ref, group, *batches[0])
-        res["losses"] = {"one process": train_losses(copy.deepcopy(ref), batches, steps),
-                         "tp+sp": train_losses(sequence_parallel(ref, group), batches, steps)}
+        norms = res["norms"] = {"one process": [], "tp+sp": []}  # every step's gradient norm
+        def norm_one(m):  # one process: √Σg² of every gradient
+            norms["one process"].append(torch.stack([p.grad.pow(2).sum() for p in m.parameters()])
+                                        .sum().sqrt().item())
+        def norm_sp(m): norms["tp+sp"].append(tp_grad_norm(m, group).item())
+        one, sp_model = copy.deepcopy(ref), sequence_parallel(ref, group)
+        res["losses"] = {"one process": train_losses(one, batches, steps, before_step=norm_one),
+                         "tp+sp": train_losses(sp_model, batches, steps, before_step=norm_sp)}
     if dist.get_rank() == 0: Path(out_dir, "sp.json").write_text(json.dumps(res))

@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 from .checkpoint import DataStream, check_output_dir, load_checkpoint, save_checkpoint
 from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
-from .ddp import train_steps
+from .ddp import full_grads, train_steps
 from .evaluation import evaluate_distributed
 from .launch import WorldSizeError, cpu_threads, local_processes, make_accelerator
 from .loaders import get_dataloaders
@@ -161,6 +162,15 @@ def _loop(acc, cfg, run, meter, steps, start, tokens, stream, lr, evaluate) -> d
     run.log(step=cfg.max_steps, split="val", **(after := evaluate()))
     return after
 
+def _grads_saver(acc, cfg):
+    "on_grads for the steps: step --grads_at's full gradients (not clipped) into grads_step<N>.pt."
+    def save(model, step):  # model: the prepared model or a `Mesh`; every rank, every step
+        if step != cfg.grads_at: return
+        if isinstance(model, Mesh): grads = model.full_grads()  # gathered over tp and the stages
+        else: grads = full_grads(acc.unwrap_model(model))  # FSDP2's shards gathered
+        if acc.is_main_process: torch.save(grads, Path(cfg.output_dir, f"grads_step{step}.pt"))
+    return save if cfg.grads_at else None
+
 def train(config=None, **overrides) -> dict:
     "Train as `config` (a `Config`, a dict, or flags as keyword arguments) says; returns the summary."
     cfg = validate(replace(config if isinstance(config, Config) else Config(**(config or {})), **overrides))
@@ -184,7 +194,7 @@ def train(config=None, **overrides) -> dict:
     start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, model, val_dl, cfg, resumed)
     steps = train_steps(acc, model, opt, sched, stream, cfg.task, cfg.max_steps, start, cfg.grad_accum,
-                        cfg.max_grad_norm, loss_fn)
+                        cfg.max_grad_norm, loss_fn, _grads_saver(acc, cfg))
     after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
                   lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
     memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
@@ -209,7 +219,8 @@ def _train_mesh(cfg) -> dict:
     run = Run(acc, cfg, start)
     start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
-    steps = mesh.train_steps(stream, cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm)
+    steps = mesh.train_steps(stream, cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
+                             _grads_saver(acc, cfg))
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
                   lambda: evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task))

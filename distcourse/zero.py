@@ -23,7 +23,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from .comm import count_collectives, tensor_bytes
-from .ddp import train_step
+from .ddp import full_grads, train_step
 from .launch import make_accelerator
 from .loop import epochs, make_optimizer, make_scheduler, setup
 from .memory import STAGES, track_memory
@@ -151,13 +151,24 @@ class FlatZero2Optimizer(FlatZeroOptimizer):
         for g in self.grad_slices: g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))  # torch's clipping rule
         return norm
 
+    @torch.no_grad()
+    def full_grads(self, model) -> dict:  # model: the one whose parameters this optimizer holds
+        "The whole reduced gradient by name, on CPU: the ranks' slices gathered (a collective)."
+        names, out = {id(p): n for n, p in model.named_parameters()}, {}
+        for ps, g in zip(self.groups, self.reduce_scatter_grads()):  # once a step (clipping's too)
+            full, start = g.new_empty(g.numel() * self.world), 0
+            dist.all_gather_single(full, g, group=self.pg)
+            for p in ps:
+                out[names[id(p)]] = full[start:start + p.numel()].view_as(p).cpu().clone()
+                start += p.numel()
+        return out
+
     def step(self):
         "Reduce-scatter the gradients (unless clipping did), then ZeRO-1's step: AdamW on slices, all-gather."
         self.reduce_scatter_grads()
         super().step()
 
 ZERO2 = {"fsdp": None, "flat": FlatZero2Optimizer}  # zero_worker's choice at stage 2 (None: FSDP2)
-
 
 # %% ../nbs/05a_zero.ipynb #07ee38ff
 def check_stage(accelerator, stage):
@@ -228,11 +239,15 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
         net, opt = prepare_zero(acc, copy.deepcopy(base), stage, lr, zero1=ZERO1[zero1], zero2=ZERO2[zero2])
         if stage < 2: net.register_comm_hook(None, allreduce_hook)  # DDP's all-reduce, through Python: countable
         sched, mem, comm, hist = make_scheduler(opt, 1, steps), track_memory(net, opt), {}, []
-        batches = epochs(train_dl)
+        batches, first = epochs(train_dl), {}
+        def keep_grads(model):  # step 1's whole gradients, reduced, before clipping (a collective)
+            by_hand = getattr(opt, "full_grads", None)  # ZeRO-2 by hand holds reduced slices
+            first.update(by_hand(model) if by_hand else full_grads(acc.unwrap_model(model)))
         for i in range(steps):
             with count_collectives(comm) if i == 1 else nullcontext():  # the second step: a steady one
                 hist.append(train_step(acc, net, opt, sched, [next(batches) for _ in range(grad_accum)], "clm",
-                                       max_grad_norm))
+                                       max_grad_norm, on_grads=keep_grads if i == 0 else None))
+        if acc.is_main_process: torch.save(first, Path(out_dir, f"grads_stage{stage}.pt"))
         mem["grads_bytes"] += sum(tensor_bytes(g) for g in getattr(opt, "grad_slices", ()))  # ZeRO-2 by hand
         weights, mems = full_state_dict(acc.unwrap_model(net)), [None] * acc.num_processes
         if stage == stages[0]: ref = weights  # the first stage run is the reference

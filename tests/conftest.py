@@ -2,6 +2,7 @@ import json, os, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 # Tests never reach the Hub: everything they use is built offline.
@@ -50,3 +51,21 @@ def copy_env(repo):
     "Environment in which `repo` (a fresh copy) is the `distcourse` that Python imports, with the data cache shared."
     return {**os.environ, "PYTHONPATH": str(repo),  # as `pip install -e .` in the copy would give
             "DISTCOURSE_DATA": str(ROOT / "data")}  # the offline corpus cache (content-keyed): no rebuild
+
+
+def worst_rel(want, got) -> float:
+    "The largest relative difference of two equally long per-step lists (losses, gradient norms)."
+    assert len(want) == len(got) > 0, (len(want), len(got))
+    return max(abs(a - b) / abs(a) for a, b in zip(want, got))
+
+
+def grads_diff(want, got) -> float:  # {name: full gradient} dicts, or paths of files holding them
+    "The largest ‖Δg‖ of one parameter over the whole gradient's norm; names and shapes must match."
+    want, got = (torch.load(g) if isinstance(g, (str, Path)) else g for g in (want, got))
+    assert want.keys() == got.keys(), sorted(set(want) ^ set(got))
+    shapes = [k for k in want if want[k].shape != got[k].shape]
+    assert not shapes, shapes
+    # Over the whole norm, not each parameter's own: the key third of c_attn.bias has a zero
+    # gradient in exact arithmetic (softmax ignores a shift of all scores): its own ratio is noise.
+    whole = sum(g.double().pow(2).sum() for g in want.values()).sqrt()
+    return max(((got[k].double() - g.double()).norm() / whole).item() for k, g in want.items())

@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
+from conftest import grads_diff, worst_rel
+
 from distcourse.ddp import grads_by_hand, grads_ddp, train_step, train_worker
 from distcourse.loop import setup
 from distcourse.launch import launch, make_accelerator
@@ -67,14 +69,15 @@ def runs(request, tmp_path_factory):
         cfg = dict(cfg)
         n, d = cfg.pop("num_processes"), tmp_path_factory.mktemp(f"{request.param}_{name.replace(' ', '_')}")
         launch(partial(train_worker, steps=STEPS, **cfg), (d, task), num_processes=n, **CPU)
-        out[name] = (json.loads((d / "history.json").read_text()), torch.load(d / "weights.pt"))
+        out[name] = (json.loads((d / "history.json").read_text()), torch.load(d / "weights.pt"),
+                     torch.load(d / "grads_step1.pt"))
     return task, out
 
 
 def test_runs_are_what_they_claim(runs):
     _, out = runs
     assert [out[k][0]["world"] for k in CONFIGS] == [1, 2, 1, 1]
-    for hist, _ in out.values():
+    for hist, *_ in out.values():
         assert len(hist["train"]) == STEPS
         assert hist["val"]["samples"] == hist["val_size"]  # gather_for_metrics: each example once
 
@@ -82,11 +85,23 @@ def test_runs_are_what_they_claim(runs):
 def test_same_losses_tokens_and_schedule(runs):
     _, out = runs
     ref = out["1x8"][0]["train"]
-    for name, (hist, _) in out.items():
+    for name, (hist, *_) in out.items():
         assert [r["tokens"] for r in hist["train"]] == [r["tokens"] for r in ref], name
         assert [r["lr"] for r in hist["train"]] == [r["lr"] for r in ref], name
         worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(hist["train"], ref))
         assert worst <= 1e-5, (name, worst)
+
+
+def test_same_gradients(runs):
+    "Every step's pre-clip gradient norm and step 1's gradients (AdamW hides a factor on them)."
+    task, out = runs
+    ref, ref_grads = out["1x8"][0]["train"], out["1x8"][2]
+    for name, (hist, _, grads) in out.items():
+        norms = worst_rel([r["grad_norm"] for r in ref], [r["grad_norm"] for r in hist["train"]])
+        first = grads_diff(ref_grads, grads)
+        print(f"{task} {name}: worst relative gradient norm {norms:.1e}, step 1's gradients "
+              f"{first:.1e}")
+        assert norms <= 1e-5 and first <= 1e-5, (name, norms, first)  # measured: 1.1e-7, 5.3e-8
 
 
 def test_same_final_weights(runs):
@@ -95,7 +110,7 @@ def test_same_final_weights(runs):
     w0 = out["1x8"][1]
     update = {k: w0[k] - init[k] for k in w0 if w0[k].is_floating_point()}
     assert flat(update).norm() > 0  # training moved the weights
-    for name, (_, w) in out.items():
+    for name, (_, w, _) in out.items():
         assert rel_diff(w0, w) <= 1e-5, name
         assert rel_diff(update, {k: w[k] - init[k] for k in update}) <= 1e-5, name  # relative to the change
 

@@ -1,5 +1,5 @@
-"""The trainer's --tp, --cp and --pp: the losses of one process on the same global batch, model/ whole, exact resume,
-bad inputs."""
+"""The trainer's --tp, --cp and --pp: the losses and gradients of one process on the same global
+batch, model/ whole, exact resume, bad inputs."""
 import json
 import re
 import shutil
@@ -9,13 +9,20 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import torch.distributed.checkpoint as dcp
-from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
+from conftest import ACCELERATE, PY, ROOT, free_port, grads_diff, run_cli, worst_rel
 from distcourse.config import ConfigError, parse_args
 from distcourse.train import main
 
-# 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp = 4 × 4 × 1
+# 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp =
+# 4 × 4 × 1, and writes step 1's full gradients (GPT-2 names, gathered over tp, pp): grads_step1.pt
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log_every", "1", "--eval_every", "0",
-        "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300", "--tracker", "none"]
+        "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300",
+        "--tracker", "none", "--grads_at", "1"]
+# AdamW and clipping hide a constant factor on all gradients (x 4 moved 20 steps' losses by 8.5e-8):
+# the pre-clip gradient norm of every step (relative) and step 1's full gradients (each parameter's
+# ‖Δg‖ over the whole norm) are compared with one process. Measured on every layout: norms ≤ 1.4e-7,
+# step 1's gradients ≤ 7.2e-8.
+NORM_TOL = GRAD_TOL = 1e-5
 MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 replicas of a tp pair, 2 × 4 × 2
           "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"]),
           "tp2": (2, ["--tp", "2"]),  # one tp pair, the issue's command: 4 × 4 × 1
@@ -29,8 +36,8 @@ MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 
 RESUMED = ["dp2_tp2", "cp2", "pp2", "tp2_pp2"]
 
 
-def train_losses(out):
-    return [r["loss"] for r in map(json.loads, open(out / "metrics.jsonl")) if "split" not in r]
+def train_losses(out, key="loss"):
+    return [r[key] for r in map(json.loads, open(out / "metrics.jsonl")) if "split" not in r]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +70,17 @@ def test_mesh_losses_equal_one_process(runs, name):
     assert run["final"]["samples"] == one["final"]["samples"]
     if name == "pp2": assert run["parallel"]["pp_schedule"] == "1f1b" and 0 < run["parallel"]["bubble"] < 1
     print(f"{name}: largest relative loss difference {worst:.1e} over 20 steps")
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_mesh_gradients_equal_one_process(runs, name):
+    "The pre-clip gradient norm of every step, and every parameter's full gradient at step 1."
+    one, mesh = runs / "one", runs / name
+    norms = worst_rel(train_losses(one, "grad_norm"), train_losses(mesh, "grad_norm"))
+    grads = grads_diff(one / "grads_step1.pt", mesh / "grads_step1.pt")  # same keys and shapes
+    print(f"{name}: worst relative gradient norm {norms:.1e} over 20 steps, step 1's gradients "
+          f"{grads:.1e}")
+    assert norms <= NORM_TOL and grads <= GRAD_TOL, (name, norms, grads)
 
 
 @pytest.mark.parametrize("name", list(MESHES))
@@ -120,6 +138,7 @@ def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
                     "--output_dir", str(again)], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert train_losses(again) == train_losses(runs / name)  # bit for bit: the same layout, the same arithmetic
+    assert train_losses(again, "grad_norm") == train_losses(runs / name, "grad_norm")  # exact too
     run = json.loads((again / "run.json").read_text())
     straight = json.loads((runs / name / "run.json").read_text())["parallel"]
     assert run["resumed_from"]["step"] == 10
@@ -140,6 +159,8 @@ def test_mesh_resumes_on_another_dp(runs, tmp_path):
     assert got[:10] == want[:10] and len(got) == 20  # the first 10 steps are the saved run's records
     worst = max(abs(a - b) / abs(a) for a, b in zip(want[10:], got[10:]))
     assert worst <= 1e-4, worst  # the same examples and weights; only the order of a sum differs
+    norms = worst_rel(*(train_losses(d, "grad_norm")[10:] for d in (runs / "dp2_tp2", again)))
+    assert norms <= NORM_TOL, norms  # the pre-clip gradient norms of steps 11-20 as well
     assert json.loads((again / "run.json").read_text())["parallel"]["dp"] == 1
 
 

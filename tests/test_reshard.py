@@ -6,12 +6,13 @@ import time
 
 import pytest
 
-from conftest import PY, run_cli, run_worker
+from conftest import PY, grads_diff, run_cli, run_worker
 from distcourse.checkpoint import latest_checkpoint, load_checkpoint
 from distcourse.loop import setup
 from distcourse.reshard import sharded_weights
 
 STEPS, SAVED, GLOBAL = 14, 6, 16  # 11 steps of 16 examples per epoch: the runs cross an epoch boundary
+FIRST = SAVED + 1  # the first step after the resume: every run writes its full gradients there
 
 
 def steps(out) -> dict:
@@ -25,7 +26,7 @@ def resume(straight, dest, processes, **kw) -> dict:
     shutil.copytree(straight / f"checkpoints/step_{SAVED}", dest / f"checkpoints/step_{SAVED}")
     t0 = time.time()
     run_worker("reshard", "reshard_worker", dest, num_processes=processes, timeout=120,
-               **{"batch_size": GLOBAL // processes, **kw})
+               **{"batch_size": GLOBAL // processes, "grads_at": FIRST, **kw})
     print(f"resume on {processes} processes: {time.time() - t0:.1f}s")
     return steps(dest)
 
@@ -34,7 +35,8 @@ def resume(straight, dest, processes, **kw) -> dict:
 def ddp(tmp_path_factory):
     "A straight 2-process DDP run (saving at steps 6 and 12), and its step 6 resumed on 1 and on 4 processes."
     tmp = tmp_path_factory.mktemp("ddp")
-    run_worker("reshard", "reshard_worker", tmp / "two", timeout=120, batch_size=GLOBAL // 2)
+    run_worker("reshard", "reshard_worker", tmp / "two", timeout=120, batch_size=GLOBAL // 2,
+               grads_at=FIRST)
     return tmp / "two", steps(tmp / "two"), {n: resume(tmp / "two", tmp / f"on{n}", n) for n in (1, 4)}
 
 
@@ -43,17 +45,25 @@ def zero3(tmp_path_factory):
     "A straight ZeRO-3 run on 4 processes, and its step 6 (one dcp piece per rank) resumed on 2."
     tmp = tmp_path_factory.mktemp("zero3")
     run_worker("reshard", "reshard_worker", tmp / "four", num_processes=4, timeout=120, batch_size=GLOBAL // 4,
-               zero_stage=3)
+               zero_stage=3, grads_at=FIRST)
     pieces = sorted(p.name for p in (tmp / f"four/checkpoints/step_{SAVED}/sharded").iterdir())
-    return steps(tmp / "four"), {2: resume(tmp / "four", tmp / "on2", 2, zero_stage=3)}, pieces
+    resumed = {2: resume(tmp / "four", tmp / "on2", 2, zero_stage=3)}
+    return tmp / "four", steps(tmp / "four"), resumed, pieces
 
 
-def check_same_run(straight, resumed, world):
-    "Losses within 1e-5 relative, the same examples at each step, and no example twice or missing in an epoch."
+def check_same_run(straight, resumed, world, dirs):  # dirs: the straight and the resumed runs'
+    """Losses and pre-clip gradient norms within 1e-5 relative, the first resumed step's full
+    gradients within 1e-5, the same examples each step, no example twice or missing in an epoch."""
     assert sorted(resumed) == list(range(SAVED + 1, STEPS + 1))
     assert all(r["world"] == world for r in resumed.values())
     worst = max(abs(resumed[s]["loss"] - straight[s]["loss"]) / abs(straight[s]["loss"]) for s in resumed)
     assert worst <= 1e-5, worst
+    norms = max(abs(resumed[s]["grad_norm"] - straight[s]["grad_norm"]) / straight[s]["grad_norm"]
+                for s in resumed)
+    grads = grads_diff(*(d / f"grads_step{FIRST}.pt" for d in dirs))  # step 7, whole, by name
+    print(f"{world} processes: worst relative gradient norm {norms:.1e}, step {FIRST}'s gradients "
+          f"{grads:.1e}")
+    assert norms <= 1e-5 and grads <= 1e-5, (norms, grads)  # measured: ≤ 6.6e-8 and ≤ 1.4e-7
     assert all(resumed[s]["ids"] == straight[s]["ids"] for s in resumed)  # the same examples, step by step
     joined = {**{s: r for s, r in straight.items() if s <= SAVED}, **resumed}  # what the interrupted job consumed
     epochs = {}
@@ -68,14 +78,16 @@ def check_same_run(straight, resumed, world):
 
 @pytest.mark.parametrize("world", [1, 4])
 def test_ddp_resume_on_another_world_size(ddp, world):
-    _, straight, resumed = ddp
-    print(f"2 -> {world}: worst relative loss difference {check_same_run(straight, resumed[world], world):.1e}")
+    two, straight, resumed = ddp
+    worst = check_same_run(straight, resumed[world], world, (two, two.parent / f"on{world}"))
+    print(f"2 -> {world}: worst relative loss difference {worst:.1e}")
 
 
 def test_zero3_resume_four_to_two(zero3):
-    straight, resumed, pieces = zero3
+    four, straight, resumed, pieces = zero3
     assert pieces == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp"]  # one per rank
-    print(f"ZeRO-3 4 -> 2: worst relative loss difference {check_same_run(straight, resumed[2], 2):.1e}")
+    worst = check_same_run(straight, resumed[2], 2, (four, four.parent / "on2"))
+    print(f"ZeRO-3 4 -> 2: worst relative loss difference {worst:.1e}")
 
 
 def test_another_global_batch_is_refused(ddp, tmp_path):

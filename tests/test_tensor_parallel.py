@@ -17,6 +17,9 @@ from distcourse.tensor_parallel import (assert_sharded, check_tp, clip_tp_grads,
 EXACT = 1e-5     # logits (absolute) and gradients (relative) vs one process; measured ≤ 4e-7
 NORM = 1e-6      # global gradient norm vs one process's clip_grad_norm_, same weights; measured 0
 LOSS_TOL = 1e-4  # relative, 20 AdamW steps; measured ≤ 2e-7 unclipped, ≤ 1.5e-6 clipped
+NORM_TOL = 1e-5  # the pre-clip norm of each of the first 10 clipped steps, relative; measured ≤ 1.5e-6
+# (steps 1-3: 0). Later the two runs' weights drift apart by rounding (lr 1e-2; the norm jumps from 0.73
+# to 1.16 at step 12) and their norms with them: ≤ 7.5e-5 over 20 steps at tp=2, held to LOSS_TOL.
 DTENSOR = 1e-6   # DTensor vs the by-hand split; measured 0 (the same ops in the same order)
 
 
@@ -158,5 +161,9 @@ def test_clipping_uses_the_global_norm(res):
     norms = res["norms"]
     assert len(norms["tp"]) == len(norms["one process"]) == 20
     assert worst(norms["tp"][:1], norms["one process"]) <= NORM  # the same weights: the same norm
-    assert worst(norms["tp"], norms["one process"]) <= LOSS_TOL  # 20 steps later the weights differ by rounding
+    first = worst(norms["tp"][:10], norms["one process"])  # zip: the first 10 steps
+    all_steps = worst(norms["tp"], norms["one process"])
+    print(f"tp={res['tp']}: worst relative pre-clip gradient norm {first:.1e} over 10 steps, "
+          f"{all_steps:.1e} over 20 (step 1: {worst(norms['tp'][:1], norms['one process']):.1e})")
+    assert first <= NORM_TOL and all_steps <= LOSS_TOL
     assert max(norms["one process"]) > 0.5  # clipping was active

@@ -5,7 +5,7 @@ import shutil
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import ACCELERATE, PY, ROOT, free_port, run_cli
+from conftest import ACCELERATE, PY, ROOT, free_port, grads_diff, run_cli, worst_rel
 
 TINY = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "12", "--log_every", "1",
         "--eval_every", "6", "--save_every", "6"]
@@ -17,12 +17,14 @@ def records(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    "The same tiny run with 1 process × batch 8 and with 2 processes × batch 4."
+    "The same tiny run, 1 process × batch 8 and 2 processes × batch 4 (step 1's gradients kept)."
     tmp = tmp_path_factory.mktemp("runs")
-    one = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--output_dir", str(tmp / "one")])
+    one = run_cli([PY, "-m", "distcourse.train", *TINY, "--batch_size", "8", "--grads_at", "1",
+                   "--output_dir", str(tmp / "one")])
     assert one.returncode == 0, one.stderr[-3000:]
     two = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-                   "-m", "distcourse.train", *TINY, "--batch_size", "4", "--output_dir", str(tmp / "two")])
+                   "-m", "distcourse.train", *TINY, "--batch_size", "4", "--grads_at", "1",
+                   "--output_dir", str(tmp / "two")])
     assert two.returncode == 0, two.stderr[-3000:]
     return {"one": (tmp / "one", one), "two": (tmp / "two", two)}
 
@@ -74,6 +76,12 @@ def test_two_processes_are_real_and_equal(runs):
     assert len(l1) == len(l2) == 12
     worst = max(abs(a - b) / abs(a) for a, b in zip(l1, l2))
     assert worst <= 1e-5, worst
+    # AdamW and clipping hide a constant factor on gradients (x 4: losses moved 8.5e-8): compare
+    norms = worst_rel(*([r["grad_norm"] for r in records(o) if "split" not in r] for o in (o1, o2)))
+    grads = grads_diff(o1 / "grads_step1.pt", o2 / "grads_step1.pt")  # every parameter, whole
+    print(f"1 x 8 vs 2 x 4: losses {worst:.1e}, pre-clip gradient norms {norms:.1e}, "
+          f"step 1's gradients {grads:.1e}")
+    assert norms <= 1e-5 and grads <= 1e-5, (norms, grads)  # measured: 1.5e-7 and 4.7e-8
 
 
 def test_activation_checkpointing_same_losses_less_memory(runs, tmp_path):
@@ -118,6 +126,10 @@ def test_resume_on_another_number_of_processes(runs, tmp_path):
     assert len(l1) == len(l2) == 12 and l1[:6] == l2[:6]  # steps 1-6 are the 2-process run's own records
     worst = max(abs(a - b) / abs(a) for a, b in zip(l2[6:], l1[6:]))
     assert worst <= 1e-5, worst
+    n2, n1 = ([r["grad_norm"] for r in records(d) if "split" not in r] for d in (out, again))
+    norms = worst_rel(n2[6:], n1[6:])
+    print(f"2 -> 1 process at step 6: losses {worst:.1e}, pre-clip gradient norms {norms:.1e}")
+    assert norms <= 1e-5, norms  # the pre-clip gradient norms of steps 7-12 too
 
 
 def test_resume_refuses_another_schedule(runs, tmp_path):

@@ -10,12 +10,27 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from conftest import ACCELERATE, ROOT, free_port, run_cli, run_worker
+from conftest import ACCELERATE, PY, ROOT, free_port, grads_diff, run_cli, run_worker, worst_rel
 from distcourse.comm import ring_bytes_sent
 from distcourse.memory import STAGES, zero_bytes
 from distcourse.zero import prepare_zero
 
-LOSS_TOL = 1e-4  # |Δloss| vs DDP; measured ≤ 2e-6 over 8 steps (clipping norms summed in another order)
+LOSS_TOL = 1e-4  # |Δloss| vs DDP; measured 0 over 8 steps (2e-6 with torch's clip_grad_norm_)
+# The gradients themselves (AdamW and clipping hide a constant factor on them): the pre-clip norm
+# per step, relative, and step 1's full gradients (each parameter's ‖Δg‖ over the whole norm),
+# against DDP (stage 0), which tests/test_ddp.py and tests/test_train.py prove equal to one
+# process; the trainer's runs (--zero_stage) against one process.
+NORM_TOL = GRAD_TOL = 1e-5  # measured: norms ≤ 1.2e-7 (FlatZero, FSDP2), step 1's gradients 0
+
+
+def check_grads(res, stage, ref_stage, out, ref_out=None, prefix="grads_stage"):
+    "Stage `stage`'s gradient norms and step 1's gradients against `ref_stage`'s; both differences."
+    norms = worst_rel(res[ref_stage]["grad_norms"], res[stage]["grad_norms"])
+    grads = grads_diff((ref_out or out) / f"grads_stage{ref_stage}.pt", out / f"{prefix}{stage}.pt")
+    print(f"stage {stage}: worst relative gradient norm {norms:.1e}, step 1's gradients "
+          f"{grads:.1e}")
+    assert norms <= NORM_TOL and grads <= GRAD_TOL, (stage, norms, grads)
+    return norms, grads
 
 
 def close(got, want, rel):
@@ -68,8 +83,9 @@ def test_prepare_zero_refuses(kind, n, precision, stage, message):
 # ------------------------------------------------------------------ 2 real processes
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    "Stages 0-3 on the tiny preset, 8 steps, 2 processes (gloo)."
-    return launch_worker(tmp_path_factory.mktemp("zero"), steps=8)
+    "Stages 0-3 on the tiny preset, 8 steps, 2 processes (gloo); step 1's gradients saved."
+    out = tmp_path_factory.mktemp("zero")
+    return {**launch_worker(out, steps=8), "out": out}
 
 
 def test_memory_matches_prediction(measured):
@@ -119,6 +135,12 @@ def test_same_losses_as_ddp(measured):
     assert ref[-1] < ref[0]
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_same_gradients_as_ddp(measured, stage):
+    "FlatZero (stage 1), FSDP2 (2, 3): the pre-clip norm at every step and step 1's full gradients."
+    check_grads(measured, stage, 0, measured["out"])
+
+
 def test_traffic(measured):
     "Payload per step in Ψ (fp32): DDP 2Ψ (all-reduce = reduce-scatter + all-gather), ZeRO-3 3Ψ."
     P = measured["n_params"]
@@ -136,14 +158,16 @@ def test_traffic(measured):
 @pytest.fixture(scope="module")
 def by_hand(tmp_path_factory):
     "DDP, then stage 2 by hand (reduce-scatter, AdamW on the slice, all-gather), 8 steps, 2 processes."
-    return launch_worker(tmp_path_factory.mktemp("zero2_by_hand"), stages=[0, 2], steps=8, zero2="flat")
+    out = tmp_path_factory.mktemp("zero2_by_hand")
+    return {**launch_worker(out, stages=[0, 2], steps=8, zero2="flat"), "out": out}
 
 
 def test_zero2_by_hand_same_training(by_hand, measured, tmp_path):
-    "Within LOSS_TOL of DDP (measured 1.9e-6: clipping's norm, summed in another order); exact unclipped."
+    "Within LOSS_TOL of DDP (measured 0; weights 2.3e-6: clipping's norm, summed in another order)."
     assert by_hand[0]["losses"] == measured[0]["losses"]  # the reference: the same DDP run as the fixture's
     worst = max(abs(a - b) for a, b in zip(by_hand[2]["losses"], by_hand[0]["losses"]))
     assert worst <= LOSS_TOL and by_hand[2]["weight_diff"] <= 1e-5, (worst, by_hand[2]["weight_diff"])
+    check_grads(by_hand, 2, 0, by_hand["out"])  # its slices, gathered whole, against DDP's
     res = launch_worker(tmp_path, stages=[0, 2], steps=3, grad_accum=2, max_grad_norm=float("inf"),
                         zero2="flat")
     assert res[2]["losses"] == res[0]["losses"] and res[2]["weight_diff"] == 0.0  # exact, 2 micro-batches
@@ -176,6 +200,7 @@ def test_accumulation(tmp_path, measured):
     "2 micro-batches per step: stages 2-3 match DDP, and gradients cross the wire once per optimizer step."
     res = launch_worker(tmp_path, stages=[0, 2, 3], steps=3, grad_accum=2)
     for stage in (2, 3): assert max(abs(a - b) for a, b in zip(res[stage]["losses"], res[0]["losses"])) <= LOSS_TOL
+    for stage in (2, 3): check_grads(res, stage, 0, tmp_path)  # 2 micro-batches, one reduction
     def reduced(comm): return sum(b for k, b in comm.items() if k.startswith(("reduce_scatter", "all_reduce")))
     for stage in (0, 2, 3):  # DDP's no_sync; FSDP2's set_requires_gradient_sync(False) before the last micro-batch
         assert reduced(res[stage]["comm"]) == reduced(measured[stage]["comm"]), stage
@@ -201,18 +226,24 @@ def test_deepspeed_stages(tmp_path, measured):
             assert close(m["master_bytes"], 4 * measured["n_params"] / 2, 0.002), (stage, m)  # fp32 master
         worst = max(abs(a - b) for a, b in zip(res[stage]["losses"], measured[0]["losses"]))
         assert worst <= LOSS_TOL, (stage, worst)
+        check_grads({**res, 0: measured[0]}, stage, 0, tmp_path, measured["out"],
+                    prefix="grads_ds_stage")
 
 
 # ------------------------------------------------------------------ the trainer's --zero_stage
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    "The tiny config at --zero_stage 0-3, 2 processes; run.json and train losses of each."
+    """The tiny config at --zero_stage 0-3, 2 processes; run.json and train losses of each; one
+    process on the same global batch (4 x 2) for the gradients (every run saves step 1's)."""
     tmp, out = tmp_path_factory.mktemp("zero_cli"), {}
+    args = ["-m", "distcourse.train", "--config", str(ROOT / "configs/tiny.yaml"),
+            "--max_steps", "4", "--log_every", "1", "--eval_every", "0", "--tracker", "none",
+            "--grads_at", "1"]
+    one = run_cli([PY, *args, "--batch_size", "8", "--output_dir", str(tmp / "one")])
+    assert one.returncode == 0, one.stderr[-3000:]
     for stage in STAGES:
         proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-                        "-m", "distcourse.train", "--config", str(ROOT / "configs/tiny.yaml"),
-                        "--zero_stage", str(stage), "--max_steps", "4", "--log_every", "1", "--eval_every", "0",
-                        "--save_every", "2", "--tracker", "none",
+                        *args, "--zero_stage", str(stage), "--save_every", "2",
                         "--output_dir", str(tmp / f"z{stage}")])
         assert proc.returncode == 0, (stage, proc.stderr[-3000:])
         run = json.loads((tmp / f"z{stage}" / "run.json").read_text())
@@ -252,6 +283,21 @@ def test_cli_same_losses(cli_runs):
     for stage, (_, losses, _) in cli_runs.items():
         assert len(losses) == len(ref) == 4
         assert max(abs(a - b) for a, b in zip(losses, ref)) <= LOSS_TOL, (stage, losses, ref)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_cli_same_gradients_as_one_process(cli_runs, stage):
+    "DDP, ZeRO-1, FSDP2 (stages 2-3): every step's pre-clip norm, step 1's gradients = one process."
+    out = cli_runs[stage][2]
+    def norms(d): return [r["grad_norm"] for r in map(json.loads, open(d / "metrics.jsonl"))
+                          if "split" not in r]
+    norm = worst_rel(norms(out.parent / "one"), norms(out))
+    grads = grads_diff(out.parent / "one/grads_step1.pt", out / "grads_step1.pt")
+    print(f"--zero_stage {stage}: worst relative gradient norm {norm:.1e}, step 1's gradients "
+          f"{grads:.1e}")
+    # FSDP2's norm was 1.4e-5 off before train_step summed g² itself: torch's CPU fp32 vector_norm
+    # of the 524,288-element wte gradient is 1.5e-4 low, and FSDP2 took it over two halves.
+    assert norm <= NORM_TOL and grads <= GRAD_TOL, (norm, grads)
 
 
 def test_cli_checkpoints_hold_the_whole_model(cli_runs):
