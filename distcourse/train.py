@@ -7,18 +7,23 @@ __all__ = ['check_deepspeed', 'choices', 'train', 'fingerprint', 'main']
 
 # %% ../nbs/09a_train.ipynb #6a2d1d3b
 import multiprocessing
+import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
+from datasets.exceptions import DatasetsError
 from fastcore.basics import patch
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 
-from .checkpoint import DataStream, check_output_dir, load_checkpoint, save_checkpoint
+from .checkpoint import DataStream, SaveError, check_output_dir, load_checkpoint, save_checkpoint
 from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
 from .ddp import train_steps
@@ -61,18 +66,32 @@ def check_deepspeed(accelerator, grad_accum):
                       "backward. Use --grad_accum 1 with a larger --batch_size, or ZeRO without DeepSpeed "
                       "(--zero_stage 1-3 on a plain multi-GPU launch)")
 
+@contextmanager
+def _loading(flag, value):
+    "What loading `--flag value` raised (a bad file, a missing column, too little data) as a ConfigError."
+    try: yield
+    except ConfigError: raise
+    except (ValueError, OSError, DatasetsError) as e:
+        if isinstance(e, ValueError): raise ConfigError(f"--{flag} {value}: {e}") from None  # has its fix
+        cause = e.__cause__ or e  # datasets wraps the reader's error in a DatasetGenerationError
+        why = str(cause).strip().splitlines()[0] if str(cause).strip() else "no message"
+        raise ConfigError(f"--{flag} {value} could not be loaded ({type(cause).__name__}: {why}); check "
+                          f"the file, or pass another --{flag}") from None
+
 def _setup(cfg, accelerator):
     "Tokenizer, loaders and model for `cfg`; data is prepared on the main process first."
     with accelerator.main_process_first():
-        tok = get_tokenizer(cfg.tokenizer)
-        train_dl, val_dl = get_dataloaders(cfg.task, tok, cfg.seq_len, cfg.batch_size, dataset=cfg.dataset,
-                                           seed=cfg.seed, max_examples=cfg.max_examples or None,
-                                           text_column=cfg.text_column, label_column=cfg.label_column)
+        with _loading("tokenizer", cfg.tokenizer): tok = get_tokenizer(cfg.tokenizer)
+        with _loading("dataset", cfg.dataset):
+            train_dl, val_dl = get_dataloaders(cfg.task, tok, cfg.seq_len, cfg.batch_size, dataset=cfg.dataset,
+                                               seed=cfg.seed, max_examples=cfg.max_examples or None,
+                                               text_column=cfg.text_column, label_column=cfg.label_column)
     labels = train_dl.dataset.features.get("labels") if cfg.task == "cls" else None
     n_labels = getattr(labels, "num_classes", None) or (
         len(set(train_dl.dataset["labels"])) if cfg.task == "cls" else None)
-    model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels)
-    check_compat(model, tok, cfg.seq_len)
+    with _loading("model", cfg.model):
+        model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels)
+        check_compat(model, tok, cfg.seq_len)
     try: checkpoint_blocks(model, cfg.activation_checkpointing)  # before any wrapping (DDP, FSDP2, compile)
     except ValueError as e:
         raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing}: {e}") from None
@@ -286,11 +305,26 @@ def _finish(acc, cfg, run, model, tok, before, after, val_size, extra) -> dict:
     return summary
 
 # %% ../nbs/09a_train.ipynb #aebf508f
+def _all_ranks_reach(key, timeout=20):  # seconds to wait (a rank that did not fail never comes)
+    "Under a launcher, wait until every rank got here: at the first exit it stops the others."
+    world = int(os.getenv("WORLD_SIZE", "1"))
+    if world < 2 or "MASTER_PORT" not in os.environ: return
+    key = f"distcourse/{key}/{os.getenv('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:  # the launcher's own store (torchrun, accelerate launch): no process group needed
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timedelta(seconds=timeout))
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while store.add(key, 0) < world and time.monotonic() < deadline: time.sleep(0.05)
+    except (RuntimeError, OSError): pass  # no store to reach (another launcher): exit at once
+
 def main(argv=None):
     "Entry point of `python -m distcourse.train` and `accelerate launch -m distcourse.train`."
     try: summary = train(parse_args(argv))
-    except ConfigError as e:  # raised on every rank alike, before any work
-        print(f"distcourse.train: error: {e}", file=sys.stderr); sys.exit(2)
+    except (ConfigError, SaveError) as e:  # a bad input (every rank alike), a save the disk refused
+        print(f"distcourse.train: error: {e}", file=sys.stderr, flush=True)
+        _all_ranks_reach("refused")  # every rank prints its line before the launcher stops any
+        sys.exit(2)
     if "push_error" in summary: sys.exit(1)  # trained and saved, but not uploaded: said on stderr
 
 # %% ../nbs/09a_train.ipynb #4eac68ea
