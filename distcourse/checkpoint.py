@@ -192,7 +192,7 @@ def read_state(path) -> dict: # a complete checkpoints/step_<N> directory
     except ValueError: what = "is not valid JSON (truncated or overwritten)"
     older = [p for p in _complete(path.parent) if _step_of(p) < _step_of(path)]
     instead = "start fresh in another output_dir"
-    if older: instead = f"resume from {older[-1]} (--resume {older[-1]})"
+    if older: instead = f"pass --resume {older[-1]}, the complete one before it"
     raise ValueError(f"checkpoint {path} is damaged: its {STATE_FILE} {what}; {instead} "
                      "(--resume latest picks this one until you move it away)")
 

@@ -158,7 +158,8 @@ def _check_mesh(cfg):
     try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,
                        cfg.grad_accum, cfg.pp_schedule)
     except ValueError as e:
-        pipeline = " (the pipeline's micro-batches are --grad_accum's)" if cfg.pp > 1 else ""
+        said_micro = "micro_batches" in str(e)  # the pipeline lesson's name for them
+        pipeline = " (the pipeline's micro-batches are --grad_accum's)" if said_micro else ""
         raise ConfigError(f"{flags}: {e}{pipeline}") from None
 
 def validate(cfg: Config) -> Config:
