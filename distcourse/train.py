@@ -308,7 +308,7 @@ def _finish(acc, cfg, run, model, tok, before, after, val_size, extra) -> dict:
 def _all_ranks_reach(key, timeout=20):  # seconds to wait (a rank that did not fail never comes)
     "Under a launcher, wait until every rank got here: at the first exit it stops the others."
     world = int(os.getenv("WORLD_SIZE", "1"))
-    if world < 2 or "MASTER_PORT" not in os.environ: return
+    if world < 2 or os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True": return  # no store to meet at
     key = f"distcourse/{key}/{os.getenv('TORCHELASTIC_RESTART_COUNT', '0')}"
     try:  # the launcher's own store (torchrun, accelerate launch): no process group needed
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
@@ -316,7 +316,7 @@ def _all_ranks_reach(key, timeout=20):  # seconds to wait (a rank that did not f
         store.add(key, 1)
         deadline = time.monotonic() + timeout
         while store.add(key, 0) < world and time.monotonic() < deadline: time.sleep(0.05)
-    except (RuntimeError, OSError): pass  # no store to reach (another launcher): exit at once
+    except (RuntimeError, OSError): pass  # the store is gone (the launcher stopped): exit at once
 
 def main(argv=None):
     "Entry point of `python -m distcourse.train` and `accelerate launch -m distcourse.train`."
