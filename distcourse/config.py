@@ -8,7 +8,7 @@ __all__ = ['TASKS', 'PRECISIONS', 'COMPILES', 'COMPILE_MIN_STEPS', 'FINGERPRINT'
 
 # %% ../nbs/09_config.ipynb #293f1d96
 import argparse
-import json
+import difflib
 import math
 import os
 from dataclasses import dataclass, fields
@@ -20,7 +20,7 @@ import yaml
 from fastcore.docments import docments
 from transformers import AutoConfig
 
-from .checkpoint import MARKER, STATE_FILE, latest_checkpoint
+from .checkpoint import MARKER, latest_checkpoint, read_state
 from .data import hub_offline
 from .memory import STAGES
 from .mesh import SUPPORTED, check_degrees
@@ -94,14 +94,18 @@ def _positions(model):
     "How many positions a preset, local or Hub model has (None when it does not say)."
     if model in PRESETS: return PRESETS[model].get("n_positions")
     try: c = AutoConfig.from_pretrained(model)
-    except OSError as e: raise ConfigError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) and "
-                                           f"from_pretrained failed ({str(e).splitlines()[0]})") from None
+    except (OSError, ValueError) as e:  # ValueError: a config.json that names no model type
+        raise ConfigError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) and from_pretrained "
+                          f"failed ({str(e).splitlines()[0]}); pass a preset or a directory saved with "
+                          "save_pretrained (a run's model/)") from None
     return getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
 
 # %% ../nbs/09_config.ipynb #f20d8f39
 def _resume_path(cfg):
     "The complete checkpoint `cfg.resume` names, checked against `cfg` (None for a fresh run)."
     if not cfg.resume: return None
+    if cfg.overwrite: raise ConfigError(f"--resume {cfg.resume} with --overwrite true: --overwrite deletes "
+                                        "the run that --resume continues; pass only one of them")
     out = Path(cfg.output_dir)
     path = latest_checkpoint(out) if cfg.resume == "latest" else Path(cfg.resume)
     if path is None: raise ConfigError(f"--resume latest: no complete checkpoint in {out / 'checkpoints'}; "
@@ -111,7 +115,8 @@ def _resume_path(cfg):
                                             f"checkpoints/step_<N> directory, or latest ({newest or 'none here'})")
     if not (path / MARKER).is_file(): raise ConfigError(
         f"--resume {path}: incomplete checkpoint (its save was interrupted); resume from {newest or 'a complete one'}")
-    state = json.loads((path / STATE_FILE).read_text())
+    try: state = read_state(path)  # a checkpoint marked complete whose state file is damaged
+    except ValueError as e: raise ConfigError(f"--resume {e}") from None
     saved = state.get("fingerprint", {})
     changed = [k for k in FINGERPRINT if k in saved and saved[k] != getattr(cfg, k)]
     if not changed: return _check_global_batch(path, state, cfg)
@@ -176,7 +181,10 @@ def _check_mesh(cfg):
     sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read
     try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,
                        cfg.grad_accum, cfg.pp_schedule)
-    except ValueError as e: raise ConfigError(f"{flags}: {e}") from None
+    except ValueError as e:
+        said_micro = "micro_batches" in str(e)  # the pipeline lesson's name for them
+        pipeline = " (the pipeline's micro-batches are --grad_accum's)" if said_micro else ""
+        raise ConfigError(f"{flags}: {e}{pipeline}") from None
 
 def validate(cfg: Config) -> Config:
     "Raise `ConfigError` for anything wrong with `cfg` that can be seen before training starts."
@@ -216,8 +224,11 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 # %% ../nbs/09_config.ipynb #2e0613cc
+_HELP = "python -m distcourse.train --help lists every flag and its type"
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message): raise ConfigError(message.replace("unrecognized arguments", "unknown flag"))
+    def error(self, message):
+        raise ConfigError(message.replace("unrecognized arguments", "unknown flag") + f"; {_HELP}")
 
 def _to_bool(v):
     if isinstance(v, bool): return v
@@ -226,7 +237,49 @@ def _to_bool(v):
     raise ValueError(v)
 _to_bool.__name__ = "bool"
 
-def _converter(f): return {bool: _to_bool, "bool": _to_bool}.get(f.type, {"int": int, "float": float, "str": str}.get(f.type, f.type))
+def _to_int(v):
+    "An int from a flag's text or a YAML number; 1.5 (or true) is refused, not cut to 1."
+    if isinstance(v, bool) or isinstance(v, float) and not v.is_integer(): raise ValueError(v)
+    return int(v)
+_to_int.__name__ = "int"
+
+def _converter(f):
+    "The function that turns a flag's text (or a YAML value) into field `f`'s type."
+    name = getattr(f.type, "__name__", f.type)  # a class, or its name where annotations are strings
+    return {"bool": _to_bool, "int": _to_int, "float": float, "str": str}.get(name, f.type)
+
+def _read_yaml(path) -> dict:
+    "The flags a YAML file sets, converted to their types; a ConfigError names the line or key to fix."
+    if not path.is_file(): raise ConfigError(f"--config {path}: no such file; pass the path of a YAML "
+                                             "file such as configs/tiny.yaml")
+    try: values = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or "unreadable"
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config {path}: not valid YAML ({problem}{where}); fix the file: "
+                          "one `flag: value` per line, e.g. `model: tiny`") from None
+    if values is None: return {}  # an empty file sets nothing
+    if not isinstance(values, dict): raise ConfigError(
+        f"--config {path}: holds {values!r} ({type(values).__name__}), not a mapping of flags to values; "
+        "write one `flag: value` per line, e.g. `model: tiny`")
+    known = {f.name: f for f in fields(Config)}
+    if bad := sorted(str(k) for k in values if k not in known):
+        close = difflib.get_close_matches(bad[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"--config {path}: unknown keys {bad}{hint}; the keys are the flags: "
+                          f"{_HELP}")
+    out = {}
+    for k, v in values.items():
+        conv, example = _converter(known[k]), f"write e.g. `{k}: {known[k].default}`"
+        where = f"--config {path}: {k}"
+        if v is None: raise ConfigError(f"{where} has no value; {example} or delete the line")
+        if conv is str and isinstance(v, bool): raise ConfigError(  # YAML 1.1: no, off -> False
+            f"{where}: YAML reads an unquoted {v} (no, off, yes...) as a boolean; quote it, "
+            f"e.g. `{k}: 'no'`")
+        try: out[k] = conv(v)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: {v!r} is not a valid {conv.__name__}; {example}") from None
+    return out
 
 def parse_args(argv=None) -> Config:
     "A validated `Config` from `--config FILE` (YAML) and `--flag value` overrides."
@@ -238,13 +291,5 @@ def parse_args(argv=None) -> Config:
         p.add_argument(f"--{f.name}", type=_converter(f), default=argparse.SUPPRESS, metavar=_converter(f).__name__.upper(),
                        help=f"{docs.get(f.name) or ''} (default: {f.default!r})")
     args = vars(p.parse_args(argv))
-    values = {}
-    if "config" in args:
-        path = Path(args.pop("config"))
-        if not path.is_file(): raise ConfigError(f"--config {path}: no such file")
-        values = yaml.safe_load(path.read_text()) or {}
-        known = {f.name: f for f in fields(Config)}
-        if bad := sorted(set(values) - set(known)): raise ConfigError(f"--config {path}: unknown keys {bad}")
-        try: values = {k: _converter(known[k])(v) for k, v in values.items()}
-        except ValueError as e: raise ConfigError(f"--config {path}: bad value {e}") from None
+    values = _read_yaml(Path(args.pop("config"))) if "config" in args else {}
     return validate(Config(**{**values, **args}))

@@ -81,10 +81,8 @@ def seq_positions(T, rank, cp, layout="zigzag",
     "Positions (token indices in the full sequence) of the tokens `rank` holds, in the order it holds them."
     n = num_chunks(cp, layout)
     if T % n:  # T // n would silently drop the last T % n tokens
-        lo = T - T % n
-        raise ValueError(f"T={T} tokens do not cut into {n} equal chunks ({layout}, cp={cp}): "
-                         f"the last {T % n} would be dropped; use a length that is a multiple "
-                         f"of {n}, e.g. {lo or n} or {lo + n}")
+        raise ValueError(f"T={T} tokens do not cut into {n} equal chunks ({layout}, cp={cp}): the last "
+                         f"{T % n} would be dropped; use a multiple of {n}, e.g. {T - T % n + n}")
     c = T // n  # tokens per chunk
     ids = chunk_ids(rank, cp, layout)
     return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])  # (T/cp,)
@@ -104,9 +102,9 @@ def check_cp(seq_len,      # tokens per sequence
         raise ValueError(f"cp={cp} does not divide the world size {world_size}; use a cp that divides it "
                          f"({', '.join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)})")
     if seq_len % (2 * cp):
-        fit = max(2 * cp, seq_len - seq_len % (2 * cp))
         raise ValueError(f"seq_len={seq_len} is not divisible by 2 x cp = {2 * cp} (zig-zag cuts 2 chunks "
-                         f"per rank); use a seq_len that is a multiple of {2 * cp}, e.g. {fit}")
+                         f"per rank); use a seq_len that is a multiple of {2 * cp}, e.g. "
+                         f"{max(2 * cp, seq_len - seq_len % (2 * cp))}")
 
 def zigzag_positions(T, rank, cp, device=None) -> torch.Tensor:  # T: the full length
     "Position ids (T/cp,) of the tokens `rank` holds under zig-zag: chunks rank and 2·cp-1-rank."
@@ -118,10 +116,8 @@ def zigzag_split(x, rank, cp, dim=1) -> torch.Tensor:  # x: e.g. (B, T) token id
 
 def zigzag_unsplit(pieces, dim=1) -> torch.Tensor:  # pieces: every rank's zigzag_split, in rank order
     "The full sequence back from the pieces of all ranks."
-    cp = len(pieces)
-    T = cp * pieces[0].size(dim)
-    device = pieces[0].device
-    order = torch.cat([zigzag_positions(T, r, cp, device) for r in range(cp)])  # where each belongs
+    cp, T = len(pieces), len(pieces) * pieces[0].size(dim)
+    order = torch.cat([zigzag_positions(T, r, cp, pieces[0].device) for r in range(cp)])  # where each goes
     return torch.cat(pieces, dim).index_select(dim, torch.argsort(order))
 
 # %% ../nbs/05f_context_parallel.ipynb #7c09a7a8
@@ -147,7 +143,6 @@ class _RingPass(torch.autograd.Function):
         r, p = dist.get_rank(group), dist.get_world_size(group)
         _count(stats, "kv_sends", x)
         return _shift(x, group, to=(r + 1) % p, frm=(r - 1) % p)
-
     @staticmethod
     def backward(ctx, grad):
         r, p = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
@@ -165,8 +160,7 @@ def ring_attention(q, k, v,          # (B, nh, T/cp, hs): this rank's tokens, in
                    stats=None,       # a dict to count messages, bytes and blocks in
                   ) -> torch.Tensor:
     "Causal attention of this rank's queries over the whole sequence, K/V passed around the ring."
-    on_ring = dist.is_initialized()
-    rank, cp = (dist.get_rank(group), dist.get_world_size(group)) if on_ring else (0, 1)
+    rank, cp = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
     mine = chunk_ids(rank, cp, layout)
     if q.size(2) % len(mine): raise ValueError(f"{q.size(2)} local tokens do not cut into {len(mine)} chunks")
     qs = q.chunk(len(mine), dim=2)           # this rank's query chunks
@@ -246,8 +240,7 @@ def cp_group(cp):  # ranks that share one sequence; the world holds world/cp suc
     "This rank's group of `cp` consecutive ranks (every rank creates every group, as new_group requires)."
     world = dist.get_world_size()
     if cp == world: return dist.group.WORLD
-    groups = [dist.new_group(list(range(s, s + cp))) for s in range(0, world, cp)]
-    return groups[dist.get_rank() // cp]
+    return [dist.new_group(list(range(s, s + cp))) for s in range(0, world, cp)][dist.get_rank() // cp]
 
 def toy_batches(steps, B, T, vocab, seed=0) -> list:
     "`steps` batches (B, T+1) of arithmetic sequences mod `vocab`: random start and stride, easy to learn."
@@ -297,13 +290,11 @@ def cp_train_worker(out_dir, cfg: dict, cp=None, steps=10, B=4, T=32, lr=3e-3, s
         for p in model.parameters(): dist.all_reduce(p.grad)  # sum over all cp and dp ranks
         norms.append(sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt().item())
         if rank == 0 and len(norms) == 1:  # step 1's whole gradients, by name
-            grads = {k: p.grad for k, p in model.named_parameters()}
-            torch.save(grads, Path(out_dir, f"grads_cp{cp}.pt"))
+            torch.save({k: p.grad for k, p in model.named_parameters()}, f"{out_dir}/grads_cp{cp}.pt")
         opt.step()
         opt.zero_grad()
         total = loss_sum.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / (B * T))
-    if rank == 0:
-        res = {"losses": losses, "grad_norms": norms, "stats": stats}
-        Path(out_dir, f"cp{cp}_world{world}.json").write_text(json.dumps(res))
+    if rank == 0: Path(out_dir, f"cp{cp}_world{world}.json").write_text(json.dumps(
+        {"losses": losses, "grad_norms": norms, "stats": stats}))

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['free_port', 'cores', 'time_limit', 'launch', 'hello_worker', 'plain_worker', 'asked_world_size',
            'lone_accelerate_launch', 'WorldSizeError', 'verify_world_size', 'make_accelerator', 'chosen_threads',
-           'local_processes', 'cpu_threads', 'accelerator_worker', 'main']
+           'local_processes', 'cpu_threads', 'accelerator_worker', 'main', 'all_ranks_reach']
 
 # %% ../nbs/02a_launch.ipynb #02a3a7b0
 import json
@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -251,3 +252,18 @@ def main():
 
 # %% ../nbs/02a_launch.ipynb #1847b32f
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook
+
+# %% ../nbs/02a_launch.ipynb #ed3b0759
+def all_ranks_reach(key, timeout=20):  # seconds to wait (a rank that did not fail never comes)
+    "Under a launcher, wait until every rank got here: at the first exit it stops the others."
+    world = int(os.getenv("WORLD_SIZE", "1"))
+    if world < 2 or os.getenv("TORCHELASTIC_USE_AGENT_STORE") != "True": return  # no store to meet at
+    key = f"distcourse/{key}/{os.getenv('TORCHELASTIC_RESTART_COUNT', '0')}"
+    try:  # the launcher's own store (torchrun, accelerate launch): no process group needed
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=False, timeout=timedelta(seconds=timeout))
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout
+        while store.add(key, 0) < world and time.monotonic() < deadline: time.sleep(0.05)
+    except (RuntimeError, OSError): pass  # the store is gone (the launcher stopped): exit at once
+

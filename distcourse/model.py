@@ -77,7 +77,12 @@ def _from_pretrained(name, task, num_labels) -> PreTrainedModel:
     "`Auto*.from_pretrained` for a local directory, or a Hub id when the Hub is reachable."
     kw = {} if num_labels is None else {"num_labels": num_labels}
     path = Path(str(name)).expanduser()
-    if path.is_dir(): return _AUTO[task].from_pretrained(str(path), **kw)
+    if path.is_dir():
+        try: return _AUTO[task].from_pretrained(str(path), **kw)
+        except (OSError, ValueError) as e:  # no weights, no config.json, no known model type
+            why = str(e).strip().splitlines()[0]
+            raise ValueError(f"{path} holds no loadable model ({why}); pass a preset or a directory "
+                             "saved with save_pretrained (config.json and weights)") from e
     what = (f"unknown model {str(name)!r}{_hint(name)}: not a preset ({', '.join(PRESETS)}), not a local directory")
     advice = "pass a preset or a directory saved with save_pretrained"
     if str(name).startswith((".", "/", "~")) or str(name).count("/") > 1:  # a path, never a Hub id (org/name)

@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+from .checkpoint import clear_run
 from .data import hub_offline
 from .tracking import log_metrics, plot_run
 
@@ -21,6 +22,8 @@ class Run:
                  start=0):  # the step the run starts after: records of later steps (a crashed run's) are dropped
         self.acc, self.out, self.t0 = accelerator, Path(cfg.output_dir), time.time()
         if self.acc.is_main_process:
+            if getattr(cfg, "overwrite", False) and not start:  # --overwrite: the old run goes,
+                clear_run(self.out)                               # files it did not write stay
             self.out.mkdir(parents=True, exist_ok=True)
             kept = [r for r in self.records() if r["step"] <= start] if start else []
             (self.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))

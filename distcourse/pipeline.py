@@ -13,6 +13,7 @@ import json
 import os
 import time
 from contextlib import contextmanager
+from itertools import accumulate
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -97,11 +98,7 @@ def schedule_actions(schedule, # "gpipe" or "1f1b"
 
 def peak_in_flight(actions) -> int:
     "The most micro-batches whose activations a stage holds at once (forward run, backward not yet)."
-    held, peak = 0, 0
-    for kind, _ in actions:
-        held += 1 if kind == "F" else -1
-        peak = max(peak, held)
-    return peak
+    return max(accumulate(1 if kind == "F" else -1 for kind, _ in actions))  # held after each
 
 # %% ../nbs/05e_pipeline.ipynb #4b522f0c
 def replay(schedule, pp, m, t_f=1.0, t_b=2.0) -> list:
@@ -240,9 +237,9 @@ def _report(api, loss, grads, events, want, pp) -> dict:
     got = {}
     for per_rank in grads:  # the lm_head copy is compared with the tied matrix's gradient
         got.update({"transformer.wte.weight" if n == "lm_head.weight" else n: g for n, g in per_rank.items()})
-    def norm(grads): return sum(g.pow(2).sum() for g in grads.values()).sqrt().item()  # tied: once
+    norm_got, norm_want = (sum(g.pow(2).sum() for g in d.values()).sqrt().item() for d in (got, want))
     out = {"loss": loss.item(), "grad_diff": max((g - want[n]).abs().max().item() for n, g in got.items()),
-           "norm_diff": abs(norm(got) - norm(want)) / norm(want),  # relative, before any clipping
+           "norm_diff": abs(norm_got - norm_want) / norm_want,  # relative, before clipping; tied: once
            "missing": sorted(set(want) - set(got)), "grads": got}
     if api == "hand":
         events = [e for per_rank in events[:pp] for e in per_rank]  # the first pipeline's stages

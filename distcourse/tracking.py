@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['TRACKERS', 'DATASHEET_FLOPS', 'tracker_available', 'resolve_tracker', 'flat_config', 'start_tracking',
            'tracker_values', 'log_metrics', 'resource_stats', 'rank_stats', 'peak_flops', 'read_metrics', 'plot_run',
-           'main']
+           'main', 'Meter']
 
 # %% ../nbs/08_tracking.ipynb #e292891d
 import argparse
@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,9 @@ import matplotlib.pyplot as plt
 import psutil
 import torch
 from accelerate.utils import gather_object
+from fastcore.basics import patch
+
+from .gpt import flops_per_token
 
 
 # %% ../nbs/08_tracking.ipynb #cc9cf426
@@ -202,3 +206,44 @@ def main(argv=None):
     print(f"wrote {out}")
 
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook
+
+# %% ../nbs/08_tracking.ipynb #7b48004a
+class Meter:
+    "Each train record's tokens/s, MFU, every rank's memory; run.json's `utilisation`: both paths' numbers."
+    def __init__(self, acc, model, seq_len):  # model: the whole model (under tp, pp: all ranks' pieces)
+        self.acc, self.peak, self.window, self.busy = acc, peak_flops(acc), 0, 0.0
+        try: self.fpt = flops_per_token(model, seq_len)  # the model lesson's training FLOPs per token
+        except ValueError: self.fpt = None  # a model that does not say its sizes: no MFU
+        self.all_peak = self._all_peak()
+
+    def _all_peak(self) -> float:
+        "The peak FLOP/s of all processes together (each rank's datasheet or measured peak, summed)."
+        mine = torch.tensor(self.peak["datasheet"] or self.peak["measured"], device=self.acc.device)
+        return self.acc.reduce(mine, "sum").item()
+
+    def timed(self, steps):  # (step, result) pairs; result["tokens"]: the tokens of the global batch
+        "`steps`, counting their tokens and seconds; the loop's body (logs, evaluation, saves) is not timed."
+        t0 = time.perf_counter()
+        for step, res in steps:
+            self.window, self.busy = self.window + res["tokens"], self.busy + time.perf_counter() - t0
+            yield step, res
+            t0 = time.perf_counter()
+
+    def stats(self) -> dict:
+        "tokens_per_s and mfu since the last record, every rank's memory (`rank_stats`: every rank calls it)."
+        tps, self.window, self.busy = self.window / max(self.busy, 1e-9), 0, 0.0
+        if not self.peak["datasheet"]:  # measured on shared hardware: the best rate seen so far is the peak
+            self.peak["measured"] = max(self.peak["measured"], peak_flops(self.acc, tries=3)["measured"])
+        self.all_peak = self._all_peak()
+        mfu = {"mfu": self.fpt * tps / self.all_peak} if self.fpt else {}  # model FLOP/s ÷ all ranks' peak
+        return {"tokens_per_s": tps, **mfu, **rank_stats(self.acc)}
+
+# %% ../nbs/08_tracking.ipynb #e65f8f65
+@patch
+def summary(self: Meter, run, memory) -> dict:
+    "run.json's `utilisation`; the largest and smallest memory of any rank, added to `memory`."
+    recs = [r for r in run.records() if "split" not in r]  # the main process's view; [] elsewhere
+    memory["rss_mb_max_all_ranks"] = max((r["rss_mb_max"] for r in recs), default=None)
+    memory["rss_mb_min_all_ranks"] = min((r["rss_mb_min"] for r in recs), default=None)
+    return {"mfu_median": statistics.median(r["mfu"] for r in recs) if recs and self.fpt else None,
+            "flops_per_token": self.fpt, "peak_flops_all_ranks": self.all_peak, "peak_per_rank": self.peak}

@@ -7,36 +7,35 @@ __all__ = ['check_deepspeed', 'choices', 'train', 'fingerprint', 'main']
 
 # %% ../nbs/09a_train.ipynb #6a2d1d3b
 import multiprocessing
-import statistics
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType, broadcast_object_list, gather_object, set_seed
-from fastcore.basics import patch
+from datasets.exceptions import DatasetsError
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 
-from .checkpoint import DataStream, check_output_dir, load_checkpoint, save_checkpoint
+from .checkpoint import DataStream, SaveError, check_output_dir, load_checkpoint, save_checkpoint
 from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
 from .ddp import full_grads, train_steps
 from .evaluation import evaluate_distributed
-from .launch import WorldSizeError, cpu_threads, local_processes, make_accelerator
+from .launch import WorldSizeError, all_ranks_reach, cpu_threads, local_processes, make_accelerator
 from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
 from .memory import track_memory
 from .mesh import Mesh
-from .gpt import flops_per_token
 from .model import build_model, check_compat, num_params
 from .outputs import Run, push_to_hub
 from .precision_choice import resolve_precision
 from .recompute import activation_bytes, checkpoint_blocks
 from .reshard import MeshState
 from .resume import ShardedState
-from .tracking import peak_flops, rank_stats, resolve_tracker, start_tracking
+from .tracking import Meter, resolve_tracker, start_tracking
 from .zero import check_stage, full_state_dict, prepare_zero
 
 # %% ../nbs/09a_train.ipynb #ecbe43bf
@@ -62,18 +61,32 @@ def check_deepspeed(accelerator, grad_accum):
                       "backward. Use --grad_accum 1 with a larger --batch_size, or ZeRO without DeepSpeed "
                       "(--zero_stage 1-3 on a plain multi-GPU launch)")
 
+@contextmanager
+def _loading(flag, value):
+    "What loading `--flag value` raised (a bad file, a missing column, too little data) as a ConfigError."
+    try: yield
+    except ConfigError: raise
+    except (ValueError, OSError, DatasetsError) as e:
+        if isinstance(e, ValueError): raise ConfigError(f"--{flag} {value}: {e}") from None  # has its fix
+        cause = e.__cause__ or e  # datasets wraps the reader's error in a DatasetGenerationError
+        why = str(cause).strip().splitlines()[0] if str(cause).strip() else "no message"
+        raise ConfigError(f"--{flag} {value} could not be loaded ({type(cause).__name__}: {why}); check "
+                          f"the file, or pass another --{flag}") from None
+
 def _setup(cfg, accelerator):
     "Tokenizer, loaders and model for `cfg`; data is prepared on the main process first."
     with accelerator.main_process_first():
-        tok = get_tokenizer(cfg.tokenizer)
-        train_dl, val_dl = get_dataloaders(cfg.task, tok, cfg.seq_len, cfg.batch_size, dataset=cfg.dataset,
-                                           seed=cfg.seed, max_examples=cfg.max_examples or None,
-                                           text_column=cfg.text_column, label_column=cfg.label_column)
+        with _loading("tokenizer", cfg.tokenizer): tok = get_tokenizer(cfg.tokenizer)
+        with _loading("dataset", cfg.dataset):
+            train_dl, val_dl = get_dataloaders(cfg.task, tok, cfg.seq_len, cfg.batch_size, dataset=cfg.dataset,
+                                               seed=cfg.seed, max_examples=cfg.max_examples or None,
+                                               text_column=cfg.text_column, label_column=cfg.label_column)
     labels = train_dl.dataset.features.get("labels") if cfg.task == "cls" else None
     n_labels = getattr(labels, "num_classes", None) or (
         len(set(train_dl.dataset["labels"])) if cfg.task == "cls" else None)
-    model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels)
-    check_compat(model, tok, cfg.seq_len)
+    with _loading("model", cfg.model):
+        model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels)
+        check_compat(model, tok, cfg.seq_len)
     try: checkpoint_blocks(model, cfg.activation_checkpointing)  # before any wrapping (DDP, FSDP2, compile)
     except ValueError as e:
         raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing}: {e}") from None
@@ -103,47 +116,6 @@ def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this 
                                 "why": resolve_precision(cfg.mixed_precision, device)[1]},
             "compile": {"value": compiled, "why": why},
             "threads": {"threads_per_process": torch.get_num_threads(), "why": threads}}
-
-# %% ../nbs/09a_train.ipynb #f8618ff9
-class _Meter:
-    "Each train record's tokens/s, MFU, every rank's memory; run.json's `utilisation`: both paths' numbers."
-    def __init__(self, acc, model, seq_len):  # model: the whole model (under tp, pp: all ranks' pieces)
-        self.acc, self.peak, self.window, self.busy = acc, peak_flops(acc), 0, 0.0
-        try: self.fpt = flops_per_token(model, seq_len)  # the model lesson's training FLOPs per token
-        except ValueError: self.fpt = None  # a model that does not say its sizes: no MFU
-        self.all_peak = self._all_peak()
-
-    def _all_peak(self) -> float:
-        "The peak FLOP/s of all processes together (each rank's datasheet or measured peak, summed)."
-        mine = torch.tensor(self.peak["datasheet"] or self.peak["measured"], device=self.acc.device)
-        return self.acc.reduce(mine, "sum").item()
-
-    def timed(self, steps):  # (step, result) pairs; result["tokens"]: the tokens of the global batch
-        "`steps`, counting their tokens and seconds; the loop's body (logs, evaluation, saves) is not timed."
-        t0 = time.perf_counter()
-        for step, res in steps:
-            self.window, self.busy = self.window + res["tokens"], self.busy + time.perf_counter() - t0
-            yield step, res
-            t0 = time.perf_counter()
-
-    def stats(self) -> dict:
-        "tokens_per_s and mfu since the last record, every rank's memory (`rank_stats`: every rank calls it)."
-        tps, self.window, self.busy = self.window / max(self.busy, 1e-9), 0, 0.0
-        if not self.peak["datasheet"]:  # measured on shared hardware: the best rate seen so far is the peak
-            self.peak["measured"] = max(self.peak["measured"], peak_flops(self.acc, tries=3)["measured"])
-        self.all_peak = self._all_peak()
-        mfu = {"mfu": self.fpt * tps / self.all_peak} if self.fpt else {}  # model FLOP/s ÷ all ranks' peak
-        return {"tokens_per_s": tps, **mfu, **rank_stats(self.acc)}
-
-# %% ../nbs/09a_train.ipynb #3f2e1d0c
-@patch
-def summary(self: _Meter, run, memory) -> dict:
-    "run.json's `utilisation`; the largest and smallest memory of any rank, added to `memory`."
-    recs = [r for r in run.records() if "split" not in r]  # the main process's view; [] elsewhere
-    memory["rss_mb_max_all_ranks"] = max((r["rss_mb_max"] for r in recs), default=None)
-    memory["rss_mb_min_all_ranks"] = min((r["rss_mb_min"] for r in recs), default=None)
-    return {"mfu_median": statistics.median(r["mfu"] for r in recs) if recs and self.fpt else None,
-            "flops_per_token": self.fpt, "peak_flops_all_ranks": self.all_peak, "peak_per_rank": self.peak}
 
 # %% ../nbs/09a_train.ipynb #772702ff
 def _loop(acc, cfg, run, meter, steps, start, tokens, stream, lr, evaluate) -> dict:  # lr(), evaluate()
@@ -179,7 +151,7 @@ def train(config=None, **overrides) -> dict:
     set_seed(cfg.seed)  # the same initial weights on every rank
     tok, train_dl, val_dl, model = _setup(cfg, acc)
     saved = _activation_bytes(acc, model, train_dl, cfg.task)  # before sharding: every stage saves the same
-    meter = _Meter(acc, model, cfg.seq_len)
+    meter = Meter(acc, model, cfg.seq_len)
     model, opt, train_dl, val_dl = prepare_zero(acc, model, cfg.zero_stage, cfg.lr, cfg.weight_decay,
                                                 loaders=(train_dl, val_dl))
     sched = make_scheduler(opt, cfg.warmup_steps, cfg.max_steps)  # stepped by train_step, once per step
@@ -210,7 +182,7 @@ def _train_mesh(cfg) -> dict:
     set_seed(cfg.seed)
     tok, train_dl, val_dl, hf = _setup(cfg, acc)
     mesh = Mesh(hf, cfg, acc.autocast, acc.device)  # its piece and batches on this process's device
-    meter = _Meter(acc, hf, cfg.seq_len)  # MFU: the whole model's FLOPs
+    meter = Meter(acc, hf, cfg.seq_len)  # MFU: the whole model's FLOPs
     acc.register_for_checkpointing(MeshState(mesh))  # each rank's piece, saved with dcp (the resharding lesson)
     val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
     memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece
@@ -301,8 +273,10 @@ def _finish(acc, cfg, run, model, tok, before, after, val_size, extra) -> dict:
 def main(argv=None):
     "Entry point of `python -m distcourse.train` and `accelerate launch -m distcourse.train`."
     try: summary = train(parse_args(argv))
-    except ConfigError as e:  # raised on every rank alike, before any work
-        print(f"distcourse.train: error: {e}", file=sys.stderr); sys.exit(2)
+    except (ConfigError, SaveError) as e:  # a bad input (every rank alike), a save the disk refused
+        print(f"distcourse.train: error: {e}", file=sys.stderr, flush=True)
+        all_ranks_reach("refused")  # every rank prints its line before the launcher stops any
+        sys.exit(2)
     if "push_error" in summary: sys.exit(1)  # trained and saved, but not uploaded: said on stderr
 
 # %% ../nbs/09a_train.ipynb #4eac68ea
