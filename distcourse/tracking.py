@@ -22,7 +22,6 @@ import matplotlib.pyplot as plt
 import psutil
 import torch
 from accelerate.utils import gather_object
-from fastcore.basics import patch
 
 from .gpt import flops_per_token
 
@@ -238,12 +237,11 @@ class Meter:
         mfu = {"mfu": self.fpt * tps / self.all_peak} if self.fpt else {}  # model FLOP/s ÷ all ranks' peak
         return {"tokens_per_s": tps, **mfu, **rank_stats(self.acc)}
 
-# %% ../nbs/08_tracking.ipynb #e65f8f65
-@patch
-def summary(self: Meter, run, memory) -> dict:
-    "run.json's `utilisation`; the largest and smallest memory of any rank, added to `memory`."
-    recs = [r for r in run.records() if "split" not in r]  # the main process's view; [] elsewhere
-    memory["rss_mb_max_all_ranks"] = max((r["rss_mb_max"] for r in recs), default=None)
-    memory["rss_mb_min_all_ranks"] = min((r["rss_mb_min"] for r in recs), default=None)
-    return {"mfu_median": statistics.median(r["mfu"] for r in recs) if recs and self.fpt else None,
-            "flops_per_token": self.fpt, "peak_flops_all_ranks": self.all_peak, "peak_per_rank": self.peak}
+    def summary(self, run, memory) -> dict:
+        "run.json's `utilisation`; the largest and smallest memory of any rank, added to `memory`."
+        recs = [r for r in run.records() if "split" not in r]  # the main process's view; [] elsewhere
+        memory["rss_mb_max_all_ranks"] = max((r["rss_mb_max"] for r in recs), default=None)
+        memory["rss_mb_min_all_ranks"] = min((r["rss_mb_min"] for r in recs), default=None)
+        return {"mfu_median": statistics.median(r["mfu"] for r in recs) if recs and self.fpt else None,
+                "flops_per_token": self.fpt, "peak_flops_all_ranks": self.all_peak, "peak_per_rank": self.peak}
+
