@@ -21,13 +21,13 @@ ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "3", "--log_
         "--eval_every", "0", "--seq_len", "32", "--max_examples", "200", "--tracker", "none"]
 ONE = ["--batch_size", "4", "--grad_accum", "2", "--save_every", "1"]  # reference; saved: resume
 LOSS_TOL = NORM_TOL = 1e-5  # relative, per step (every path's norm is the root of summed squares)
-# check name -> (processes, flags, grad_norm tolerance): the trainer CLI against the reference
+# check name -> (processes, flags): the trainer CLI against the reference
 HALF, WHOLE = ["--batch_size", "2", "--grad_accum", "2"], ["--batch_size", "4", "--grad_accum", "2"]
-LAYOUTS = {"dp2": (2, HALF, NORM_TOL),  # 2 replicas of 2 x 2 sequences
-           "zero1": (2, ["--zero_stage", "1", *HALF], NORM_TOL),
-           "tp2": (2, ["--tp", "2", *WHOLE], NORM_TOL),  # one tp pair: 4 x 2 sequences
-           "cp2": (2, ["--cp", "2", *WHOLE], NORM_TOL),
-           "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b", *WHOLE], NORM_TOL)}
+LAYOUTS = {"dp2": (2, HALF),  # 2 replicas of 2 x 2 sequences
+           "zero1": (2, ["--zero_stage", "1", *HALF]),
+           "tp2": (2, ["--tp", "2", *WHOLE]),  # one tp pair: 4 x 2 sequences
+           "cp2": (2, ["--cp", "2", *WHOLE]),
+           "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b", *WHOLE])}
 CHECKS = [*LAYOUTS, "zero2_by_hand", "resume"]
 
 
@@ -115,7 +115,7 @@ def _run(cmd, repo, env):
     return f"exit {proc.returncode}: {last[:120]}"
 
 
-def compare(want, got, norm_tol, exact=False) -> tuple:  # want, got: lists of train records
+def compare(want, got, exact=False) -> tuple:  # want, got: lists of train records
     "(equal, what was measured): per-step losses and grad norms of `got` against `want`."
     if [r["step"] for r in got] != [r["step"] for r in want]:
         return "differ", f"steps {[r['step'] for r in got]}, want {[r['step'] for r in want]}"
@@ -125,7 +125,7 @@ def compare(want, got, norm_tol, exact=False) -> tuple:  # want, got: lists of t
     ratio = got[worst]["grad_norm"] / want[worst]["grad_norm"]
     what = f"grad_norm ratio {ratio:.6f} (step {got[worst]['step']}), loss rel diff {loss:.1e}"
     if exact: equal, what = got == want, what + (", bit for bit" if got == want else ", not exact")
-    else: equal = loss <= LOSS_TOL and max(diffs) <= norm_tol
+    else: equal = loss <= LOSS_TOL and max(diffs) <= NORM_TOL
     return "equal" if equal else "differ", what
 
 
@@ -149,7 +149,7 @@ def zero2_by_hand(tmp, repo, env) -> tuple:
     want, got = ([{"step": i + 1, "loss": loss, "grad_norm": norm}
                   for i, (loss, norm) in enumerate(zip(res[s]["losses"], res[s]["grad_norms"]))]
                  for s in ("0", "2"))
-    return compare(want, got, NORM_TOL)
+    return compare(want, got)
 
 
 def resume(tmp, repo, env, reference) -> tuple:
@@ -158,16 +158,16 @@ def resume(tmp, repo, env, reference) -> tuple:
     shutil.copytree(reference, again)
     for step in (2, 3): shutil.rmtree(again / f"checkpoints/step_{step}")
     if failed := run_trainer(again, 1, ONE, repo, env, resume=True): return "failed", failed
-    return compare(records(reference), records(again), 0.0, exact=True)
+    return compare(records(reference), records(again), exact=True)
 
 
 def run_check(name, tmp, reference, repo=ROOT, env=None) -> tuple:
     "('equal' | 'differ' | 'failed' (the run did not finish), what was measured) for check `name`."
     if name == "zero2_by_hand": return zero2_by_hand(tmp, repo, env)
     if name == "resume": return resume(tmp, repo, env, reference)
-    world, flags, norm_tol = LAYOUTS[name]
+    world, flags = LAYOUTS[name]
     if failed := run_trainer(tmp / name, world, flags, repo, env): return "failed", failed
-    return compare(records(reference), records(tmp / name), norm_tol)
+    return compare(records(reference), records(tmp / name))
 
 
 @pytest.fixture(scope="module", autouse=True)
