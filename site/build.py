@@ -50,7 +50,7 @@ def execute(path, test) -> tuple:
     "Run one lesson top to bottom in a fresh kernel (cwd nbs/); write it with its outputs. (name, seconds, error)."
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError
     os.environ.update({"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",  # a static page: no live bars
                        "MPLBACKEND": "module://matplotlib_inline.backend_inline"})
     if test: os.environ["IN_TEST"] = "1"
@@ -59,8 +59,13 @@ def execute(path, test) -> tuple:
     for cell in nb.cells:
         flags = set(re.findall(r"^#\|\s*(.+?)\s*$", cell.source, re.M)) if cell.cell_type == "code" else set()
         if flags & skip: cell.metadata.setdefault("tags", []).append("skip-execution")  # nbclient leaves it
-    try: NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    # A cell's limit: at real sizes one cell trains for minutes, and on a 2-core machine shared with another lesson
+    # (--jobs 2) or another job it took over 15 (lesson 02's 150 steps); a launch that hangs has its own timeout.
+    limit = 900 if test else 3 * 3600
+    client = NotebookClient(nb, timeout=limit, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    try: client.execute()
     except CellExecutionError as e: error = str(e).strip().splitlines()[-1]
+    except CellTimeoutError: error = f"a cell ran past {limit} s (raise the limit in site/build.py if it was only slow)"
     nbformat.write(nb, SRC / "lessons" / path.name)
     return path.stem, round(time.time() - t0, 1), error
 
