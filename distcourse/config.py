@@ -142,13 +142,12 @@ def _check_global_batch(path, state, cfg):
                       f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
-_DROPOUT_WHY = {  # why each mesh axis refuses dropout for now (one process draws every mask afresh)
-    "tp": "tensor-parallel ranks would draw the same dropout masks for different heads (head h "
-          "and h + H/tp share one): a different model from one process's",
+_DROPOUT_WHY = {  # why cp and pp refuse dropout for now (one process draws every mask afresh); tp draws
+    # its split heads' masks from a state per rank (05c's RNG tracker), proved in tests/test_tp_dropout.py
     "cp": "ring attention has no attention dropout, and context-parallel ranks would draw the "
-          "same masks for different tokens",
+          "same masks for different tokens (their chunks would need a random state per cp rank)",
     "pp": "every pipeline stage starts from the same seed, so its layers' masks repeat another "
-          "stage's instead of being drawn independently"}
+          "stage's instead of being drawn independently (stages would need seeds of their own)"}
 
 def _mesh_dropout(model) -> float:  # a preset's name (the mesh trains presets only)
     "The dropout the mesh would train `model` with (a preset's None: the library's GPT-2 default)."
@@ -156,9 +155,9 @@ def _mesh_dropout(model) -> float:  # a preset's name (the mesh trains presets o
     return AutoConfig.for_model("gpt2").resid_pdrop if p is None else p
 
 def _check_mesh_dropout(cfg):
-    "Refuse dropout > 0 under --tp, --cp or --pp before any process group: say why, and the fix."
+    "Refuse dropout > 0 under --cp or --pp before any process group: say why, and the fix."
     p = _mesh_dropout(cfg.model)
-    axis = next((k for k in ("tp", "cp", "pp") if getattr(cfg, k) > 1), None)
+    axis = next((k for k in ("cp", "pp") if getattr(cfg, k) > 1), None)
     if p == 0 or axis is None: return
     without = ", ".join(n for n in PRESETS if _mesh_dropout(n) == 0)
     raise ConfigError(f"--{axis} {getattr(cfg, axis)} with --model {cfg.model} (dropout {p}): "

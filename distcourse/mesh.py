@@ -21,7 +21,7 @@ from .gpt import GPT, GPTConfig, load_gpt2_weights
 from .loaders import EpochSampler
 from .loop import make_optimizer, make_scheduler
 from .pipeline import GPTStage, bubble_fraction, check_pp, pipeline_step
-from .recompute import measure_saved_bytes
+from .recompute import measure_saved_bytes, tp_seed
 from .tensor_parallel import check_tp, gather_full_state, is_split, tensor_parallel
 
 # %% ../nbs/05g_mesh.ipynb #9c0f08fa
@@ -101,7 +101,8 @@ class Mesh:
     "One rank's part of a (dp, tp × cp | tp × pp) mesh: its model piece, groups, AdamW, schedule, step."
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
                  cfg,             # a trainer Config, or anything with its tp, pp, cp (checked),
-                                  # pp_schedule, lr, weight_decay, warmup_steps and max_steps
+                                  # pp_schedule, lr, weight_decay, warmup_steps and max_steps;
+                                  # seed (0 if it has none): the tp dropout state's
                  autocast=nullcontext,  # a context for the forward, e.g. `accelerator.autocast`
                  device=None):  # where the piece and its batches live, e.g. `accelerator.device`;
                                 # None: where `hf`'s parameters are
@@ -113,8 +114,9 @@ class Mesh:
         self.g = my_groups(self.layout, rank)
         if d["pp"] > 1: self.pipe = pipe_groups(self.layout, self.g)  # for the pipeline lesson's step
         self.dp_rank = self.g["dp_ranks"].index(rank)
-        gpt, self.timeline = to_gpt(hf), []
-        self.model = tensor_parallel(gpt, self.g["tp"]) if d["tp"] > 1 else gpt  # cp_forward runs it under cp
+        gpt, self.timeline, self.seed = to_gpt(hf), [], getattr(cfg, "seed", 0)
+        self.model = tensor_parallel(gpt, self.g["tp"], self.seed) if d["tp"] > 1 else gpt  # cp: cp_forward
+        self.rng = getattr(self.model, "rng", None)  # tp: the split heads' dropout state, seeded per rank
         if d["pp"] > 1:  # its stage; under tp, the blocks of its tp copy (one tp index per pipeline)
             blocks = self.model.transformer.h
             self.model = GPTStage(gpt, self.g["pp_ranks"].index(rank), d["pp"])
@@ -258,7 +260,8 @@ def loader(self: Mesh, train_dl):  # the trainer's loader, batch_size examples p
 def train_steps(self: Mesh, batches, steps, start=0, grad_accum=1, max_grad_norm=1.0,
                 on_grads=None):  # called as on_grads(self, step) before clipping, at every step
     "As `ddp.train_steps`: `step` on `grad_accum` global micro-batches; yields (step, its result)."
-    for step in range(start + 1, steps + 1):
+    for step in range(start + 1, steps + 1):  # the tp state from (seed, rank, step): a resumed run goes on
+        if self.rng: self.rng.add("tp", tp_seed(self.seed, dist.get_rank(self.g["tp"]), step))
         micro = [self.rows(next(batches)) for _ in range(grad_accum)]
         hook = partial(on_grads, step=step) if on_grads else None  # on_grads(self, step=step)
         yield step, self.step(micro, max_grad_norm, hook)

@@ -4,13 +4,15 @@
 
 # %% auto #0
 __all__ = ['korthikanti_bytes', 'saved_tensors', 'measure_saved_bytes', 'activation_terms', 'predicted_activation_bytes',
-           'recompute', 'checkpoint_blocks', 'is_checkpointed', 'activation_bytes']
+           'recompute', 'checkpoint_blocks', 'is_checkpointed', 'activation_bytes', 'RNGTracker', 'tp_seed']
 
 # %% ../nbs/05b_recompute.ipynb #eccbc87e
+from contextlib import contextmanager, nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 from transformers import PreTrainedModel
 
 from .loop import loss_sum
@@ -126,7 +128,10 @@ def recompute(fn, # a module or function of one tensor, deterministic (no dropou
 class _CheckpointedBlock(_Block):
     "A GPT block that keeps only its input for backward and recomputes the rest (torch.utils.checkpoint)."
     def forward(self, x):  # x: (B, T, C)
-        return checkpoint(super().forward, x, use_reentrant=False)  # replays the RNG: same dropout masks
+        rng = getattr(self.attn, "rng", None)  # a tensor-parallel block's RNGTracker (lesson 05c)
+        both = (lambda: (nullcontext(), rng.replay())) if rng else noop_context_fn  # (forward, recompute)
+        return checkpoint(super().forward, x, use_reentrant=False,  # replays the default RNG: same masks
+                          context_fn=both)  # and the tracker's states, which torch does not know of
 
 def _hf_switch(model, enabled):
     "transformers' own switch; transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*."
@@ -177,3 +182,49 @@ def activation_bytes(model, # a GPT or a transformers model, in the mode it trai
     "Bytes one forward of `batch` keeps for backward, parameters excluded: per rank, per micro-batch."
     weights = [*model.parameters(), *model.buffers()]
     return measure_saved_bytes(lambda: _loss(model, batch, task), skip=weights)
+
+# %% ../nbs/05b_recompute.ipynb #b1e7a0c5
+def _default_rng(device):  # a torch.device
+    "How to read and set the default random state of `device` (the CPU's, or one accelerator's)."
+    if device.type == "cpu": return torch.get_rng_state, torch.set_rng_state
+    mod = torch.get_device_module(device.type)  # torch.cuda on NVIDIA GPUs
+    return (lambda: mod.get_rng_state(device)), (lambda state: mod.set_rng_state(state, device))
+
+class RNGTracker:
+    "Named random states beside the default generator's, as Megatron-LM's model-parallel RNG tracker."
+    def __init__(self, **seeds): self.seeds, self.states = seeds, {}  # states: (name, device) -> state
+
+    def add(self, name, seed):
+        "(Re)start state `name` from `seed`; each device gets its stream on its first `fork`."
+        self.seeds[name] = seed
+        self.states = {k: s for k, s in self.states.items() if k[0] != name}
+
+    @contextmanager
+    def fork(self, name, device):  # device: where the random ops inside run
+        "Inside, `device`'s default generator draws from state `name`; after, it goes on as if untouched."
+        device = torch.device(device)
+        get, put = _default_rng(device)
+        key = (name, str(device))
+        if key not in self.states:
+            self.states[key] = torch.Generator(device).manual_seed(self.seeds[name]).get_state()
+        outer = get()
+        put(self.states[key])
+        try: yield
+        finally:
+            self.states[key] = get()  # where state `name` stopped: the next fork goes on from there
+            put(outer)
+
+    def replay(self):
+        "A context that runs with the states as they are now (for recomputation), then puts the later ones back."
+        saved = dict(self.states)
+        @contextmanager
+        def again():
+            later, self.states = self.states, dict(saved)
+            try: yield
+            finally: self.states = later
+        return again()
+
+def tp_seed(seed, tp_rank, step=0) -> int:  # the run's seed; this rank's index in its tp group
+    "The seed of a tp rank's tracked state: Megatron's seed + 2718 + rank, moved on a prime stride per step."
+    return seed + 2718 + tp_rank + 1_000_003 * step
+

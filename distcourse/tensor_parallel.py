@@ -13,7 +13,7 @@ import copy
 import json
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from .gpt import GPT, GPTConfig
+from .recompute import RNGTracker, tp_seed
 
 # %% ../nbs/05c_tensor_parallel.ipynb #844728aa
 def shard(full,     # a full weight or bias
@@ -80,7 +81,6 @@ class CopyToTP(torch.autograd.Function):
         return x.view_as(x)
     @staticmethod
     def backward(ctx, grad): return all_reduce_(grad.contiguous(), ctx.group, "backward", ctx.log), None, None
-
 class ReduceFromTP(torch.autograd.Function):
     "Megatron's g: all-reduce forward, identity backward (after a row-parallel layer)."
     @staticmethod
@@ -99,7 +99,6 @@ class ColumnParallelLinear(nn.Module):
         def mine(t): return nn.Parameter(shard(t.detach(), rank, tp, 0, parts).clone())
         self.weight = mine(linear.weight)  # (out/tp, in)
         self.bias = None if linear.bias is None else mine(linear.bias)  # (out/tp,)
-
     def forward(self, x):  # (B, T, in) -> (B, T, out/tp)
         return F.linear(self.enter.apply(x, self.group, self.comm_log), self.weight, self.bias)
 
@@ -112,7 +111,6 @@ class RowParallelLinear(nn.Module):
         self.group, self.reduce, self.comm_log = group, ReduceFromTP, None
         self.weight = nn.Parameter(shard(linear.weight.detach(), rank, tp, 1).clone())  # (out, in/tp)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())  # added once
-
     def forward(self, x):  # (B, T, in/tp)
         y = self.reduce.apply(F.linear(x, self.weight), self.group, self.comm_log)  # (B, T, out): summed
         return y if self.bias is None else y + self.bias
@@ -120,38 +118,42 @@ class RowParallelLinear(nn.Module):
 # %% ../nbs/05c_tensor_parallel.ipynb #41c4af0c
 class ParallelSelfAttention(nn.Module):
     "Causal self-attention over the heads whose q, k, v columns `c_attn` returns on this rank."
-    def __init__(self, c_attn, c_proj, head_dim, dropout=0.0):
+    def __init__(self, c_attn, c_proj, head_dim, dropout=0.0,
+                 rng=None):  # an RNGTracker with a "tp" state seeded per rank; needed for dropout > 0
         super().__init__()
+        if dropout and rng is None: raise ValueError(f"dropout={dropout} on split heads needs rng, an "
+                                                     "RNGTracker seeded per tp rank (tensor_parallel's)")
         self.c_attn, self.c_proj, self.head_dim, self.dropout = c_attn, c_proj, head_dim, dropout
-        self.resid_dropout = nn.Dropout(dropout)
+        self.rng, self.resid_dropout = rng, nn.Dropout(dropout)  # resid: whole (B, T, C), equal on all ranks
 
     def forward(self, x):  # (B, T, C), or (B, T/tp, C) under sequence parallelism
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # 3 x (B, T, C/tp): this rank's heads only
         B, T, local = q.shape
         q, k, v = (t.view(B, T, local // self.head_dim, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=True)  # (B, H/tp, T, hs)
+        p = self.dropout if self.training else 0.0
+        with self.rng.fork("tp", x.device) if p else nullcontext():  # this rank's heads: their own masks
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, H/tp, T, hs)
         y = y.transpose(1, 2).reshape(B, T, local)  # (B, T, C/tp): this rank's heads side by side
         return self.resid_dropout(self.c_proj(y))  # (B, T, C), summed over ranks by c_proj
 
 # %% ../nbs/05c_tensor_parallel.ipynb #3fe4ee61
-def tensor_parallel(model, group=None):  # a GPT; the ranks that share its blocks (None: all)
+def tensor_parallel(model, group=None,  # a GPT; the ranks that share its blocks (None: all)
+                    seed=0):  # of the split heads' dropout masks, a state per rank: model.rng
     "This rank's tensor-parallel copy of `model`: each block's Linears sliced from the full weights."
-    group = group or dist.group.WORLD
-    c = model.config
+    group, c = group or dist.group.WORLD, model.config
     check_tp(c, dist.get_world_size(group))
     model = copy.deepcopy(model)
+    model.rng = RNGTracker(tp=tp_seed(seed, dist.get_rank(group)))  # Megatron's: seed + 2718 + rank
     for block in model.transformer.h:
         a, m = block.attn, block.mlp
         qkv, proj = ColumnParallelLinear(a.c_attn, group, parts=3), RowParallelLinear(a.c_proj, group)
-        block.attn = ParallelSelfAttention(qkv, proj, c.n_embd // c.n_head, c.dropout)  # whole heads per rank
+        block.attn = ParallelSelfAttention(qkv, proj, c.n_embd // c.n_head, c.dropout, model.rng)
         m.c_fc, m.c_proj = ColumnParallelLinear(m.c_fc, group), RowParallelLinear(m.c_proj, group)
     return model
 
 def assert_sharded(model, tp):
     "Fail unless every block's c_attn, c_fc and c_proj is a parallel layer holding its 1/tp slice."
-    C = model.config.n_embd
-    col, row = ColumnParallelLinear, RowParallelLinear
+    C, col, row = model.config.n_embd, ColumnParallelLinear, RowParallelLinear
     want = {"attn.c_attn": (col, (3 * C // tp, C)), "attn.c_proj": (row, (C, C // tp)),
             "mlp.c_fc": (col, (4 * C // tp, C)), "mlp.c_proj": (row, (C, 4 * C // tp))}
     for i, block in enumerate(model.transformer.h):
@@ -188,13 +190,11 @@ def tiny_gpt(seed=0, vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=
     "A small GPT (dropout 0), the same on every rank for the same seed."
     torch.manual_seed(seed)
     return GPT(GPTConfig(vocab_size, n_positions, n_layer, n_head, n_embd))
-
 def random_batches(config, n=4, batch_size=4, seq_len=16, seed=0) -> list:
     "`n` (idx, targets) pairs of shape (B, T), the same on every rank."
     g = torch.Generator().manual_seed(seed)  # CPU on purpose: data, moved by its user
     return [tuple(torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=g) for _ in "it")
             for _ in range(n)]
-
 def rel_diff(got, want) -> float:  # {name: tensor} dicts; the names of `want` are compared
     "The largest ||got - want|| / ||want|| over the tensors of `want`."
     return max(((got[k] - w).norm() / w.norm()).item() for k, w in want.items())

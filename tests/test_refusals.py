@@ -1,6 +1,7 @@
 """What the parallel code refuses instead of doing something silently wrong: splitters on a
-length they cannot cut evenly (zig-zag used to drop the remainder), and dropout under --tp, --cp
-or --pp (ranks seeded alike would draw the same masks where one process draws them afresh)."""
+length they cannot cut evenly (zig-zag used to drop the remainder), and dropout under --cp or --pp
+(ranks seeded alike would draw the same masks where one process draws them afresh). --tp draws its split
+heads' masks from a random state per rank and takes dropout (tests/test_tp_dropout.py proves it)."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -63,15 +64,13 @@ def test_mesh_rows_refuse_a_batch_dp_cannot_split():
     assert x.tolist() == [[4, 5, 6, 7]] and y.tolist() == [[5, 6, 7, -100]]
 
 
-DROPOUT = [(["--tp", "2"], "--tp 2 with --model base (dropout 0.1): tensor-parallel ranks would "
-                           "draw the same dropout masks for different heads"),
-           (["--cp", "2"], "--cp 2 with --model base (dropout 0.1): ring attention has no "
+DROPOUT = [(["--cp", "2"], "--cp 2 with --model base (dropout 0.1): ring attention has no "
                            "attention dropout"),
            (["--pp", "2", "--grad_accum", "2"], "--pp 2 with --model base (dropout 0.1): every "
                                                 "pipeline stage starts from the same seed")]
 
 
-@pytest.mark.parametrize("flags,msg", DROPOUT, ids=["tp", "cp", "pp"])
+@pytest.mark.parametrize("flags,msg", DROPOUT, ids=["cp", "pp"])
 def test_dropout_refused_on_the_mesh(flags, msg, monkeypatch, tmp_path):
     "--model base keeps GPT-2's dropout 0.1: refused by parsing alone, naming the presets that do."
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -81,6 +80,15 @@ def test_dropout_refused_on_the_mesh(flags, msg, monkeypatch, tmp_path):
     assert "use a preset without dropout (tiny, small)" in str(e.value)
     assert not dist.is_initialized()
     assert parse_args([*TINY, "--model", "small", *flags, *out]).model == "small"  # dropout 0
+
+
+def test_dropout_accepted_under_tp(monkeypatch, tmp_path):
+    "--model base --tp 2 (dropout 0.1) passes: its heads' masks come from a random state per tp rank."
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cfg = parse_args([*TINY, "--model", "base", "--tp", "2", "--output_dir", str(tmp_path / "x")])
+    assert (cfg.model, cfg.tp) == ("base", 2)
+    with pytest.raises(ConfigError, match="--cp 2 with --model base"):  # tp composed with cp: still refused
+        parse_args([*TINY, "--model", "base", "--tp", "2", "--cp", "2", "--output_dir", str(tmp_path / "y")])
 
 
 def test_dropout_would_repeat_across_stages():
@@ -93,12 +101,12 @@ def test_dropout_would_repeat_across_stages():
     assert other.any() and torch.equal(shared, other.flatten())  # one process: drawn afresh
 
 
-def test_cli_refuses_base_tp2_before_any_process_group(tmp_path):
-    "The issue's `--model base --tp 2`: exit 2 with the reason; nothing written, no process group."
+def test_cli_refuses_base_cp2_before_any_process_group(tmp_path):
+    "`--model base --cp 2`: exit 2 with the reason; nothing written, no process group."
     out = tmp_path / "x"
-    argv = [PY, "-m", "distcourse.train", *TINY, "--model", "base", "--tp", "2"]
+    argv = [PY, "-m", "distcourse.train", *TINY, "--model", "base", "--cp", "2"]
     proc = run_cli([*argv, "--output_dir", str(out)], timeout=300,
                    env={"WORLD_SIZE": "2"})  # as a 2-process launch sets it; no peer is up
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "--tp 2 with --model base (dropout 0.1)" in proc.stderr and "or --tp 1" in proc.stderr
+    assert "--cp 2 with --model base (dropout 0.1)" in proc.stderr and "or --cp 1" in proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
