@@ -124,6 +124,8 @@ def measure_collectives(worlds=(2, 4), max_mib=16, repeats=5) -> dict:
     from distcourse.launch import launch  # the launch lesson's; imported here so that `comm` needs nothing else
     sizes = [4 ** k * 1024 for k in range(20) if 4 ** k * 1024 <= max_mib * 2**20]
     worlds = list(dict.fromkeys(cap_to_gpus(n) for n in worlds))  # on GPUs: no more processes than GPUs
+    if min(worlds) < 2: raise ValueError("a collective needs 2 processes and NCCL a GPU for each, and this machine "
+                                         "has 1 GPU: hide it (CUDA_VISIBLE_DEVICES=) to time gloo on CPU")
     with tempfile.TemporaryDirectory() as d:
         for n in worlds: launch(comm_worker, (d, sizes, repeats), num_processes=n)
         return {n: json.loads(Path(d, f"comm-{n}.json").read_text()) for n in worlds}
