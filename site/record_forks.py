@@ -8,6 +8,7 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import re
 import sys
 import traceback
 
@@ -16,8 +17,8 @@ _LOG, _KERNEL = os.environ.get("DISTCOURSE_FORK_LOG"), os.getpid()
 
 def _cell_lines() -> dict:
     "The lines of the lesson's code that led here: the cell's statement and the innermost line of a cell's code."
-    lines = [(f.line or "").strip() for f in traceback.extract_stack()
-             if "ipykernel_" in f.filename or f.filename.startswith("<ipython-input")]  # code the kernel ran
+    lines = [(f.line or "").strip() for f in traceback.extract_stack()  # cells: /tmp/ipykernel_<pid>/<hash>.py
+             if re.search(r"ipykernel_\d+[/\\]", f.filename) or f.filename.startswith("<ipython-input")]
     return {"cell": lines[0], "line": lines[-1]} if lines else {"cell": "", "line": ""}
 
 
