@@ -8,6 +8,7 @@ __all__ = ['free_port', 'cores', 'time_limit', 'launch', 'hello_worker', 'plain_
            'local_processes', 'cpu_threads', 'accelerator_worker', 'main', 'all_ranks_reach']
 
 # %% ../nbs/02a_launch.ipynb #02a3a7b0
+import ctypes
 import json
 import multiprocessing
 import os
@@ -55,6 +56,11 @@ def cores() -> int:
     "The cores this process may run on."
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
+def _free_openmp_threads():  # GNU OpenMP's pool does not survive a fork (a child using it hangs): free it
+    if pause := getattr(ctypes.CDLL(None), "omp_pause_resource_all", None): pause(2)  # hard; remade on use
+
+os.register_at_fork(before=_free_openmp_threads)  # launch, notebook_launcher, DataLoader workers: all fork
+
 # %% ../nbs/02a_launch.ipynb #c20d7c2a
 def _start_dir(parent, port) -> Path:  # the forking process's pid, the run's rendezvous port
     return Path(tempfile.gettempdir(), f"distcourse-start-{parent}-{port}")
@@ -87,9 +93,8 @@ def _one_process(fn, threads, args, conn):
     except BaseException as e: kind, value, tb = "error", e, traceback.format_exc()  # raised again by the caller
     try: pickle.loads(data := pickle.dumps((kind, value, tb)))  # plain pickle: tensors copied, not shared
     except Exception:  # a result that cannot be pickled, or an error that cannot be rebuilt from its pickle
-        why = RuntimeError(f"{type(value).__name__}: {value}") if kind == "error" else TypeError(
-            f"launch(num_processes=1) returns fn's result pickled from the launched process, and a "
-            f"{type(value).__name__} cannot be: return plain data (numbers, strings, lists, dicts, CPU tensors)")
+        why = RuntimeError(f"{type(value).__name__}: {value}") if kind == "error" else TypeError(f"fn returned "
+            f"a {type(value).__name__}, which cannot be pickled back: return plain data (numbers, lists, dicts...)")
         data = pickle.dumps(("error", why, tb))
     conn.send_bytes(data)
 
@@ -105,8 +110,7 @@ def _fresh_accelerate_state(clear=True):
 
 # %% ../nbs/02a_launch.ipynb #cd6a5e6d
 @contextmanager
-def time_limit(seconds,  # how long the processes started in the body may run before they are killed
-              ):
+def time_limit(seconds):  # how long the processes started in the body may run before they are killed
     "Kill the processes the body started that still run after `seconds`, and raise a TimeoutError saying so."
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     fired = threading.Event()
@@ -135,8 +139,7 @@ def _run_one(fn, args, threads, timeout):
             try: kind, value, tb = pickle.loads(receive.recv_bytes())
             except EOFError: kind = None  # it died without a word; time_limit says if it killed it
             child.join()
-            if kind is None: raise ChildProcessError(f"the launched process died (exit code {child.exitcode}) "
-                                                     "before it returned: out of memory, or a crash in native code")
+            if kind is None: raise ChildProcessError(f"the launched process died, exit code {child.exitcode}")
     finally:
         if child.is_alive(): child.kill()  # interrupted here: the process goes too
     if kind == "result": return value
@@ -155,7 +158,6 @@ def launch(fn,              # any function: the processes are forks of this one,
     cpu = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"}
     env = {"DISTCOURSE_WORLD_SIZE": num_processes, "TOKENIZERS_PARALLELISM": "false", **cpu, **env}
     timeout = float(timeout or os.environ.get("DISTCOURSE_LAUNCH_TIMEOUT", 900))
-    # An Accelerator made here earlier would block notebook_launcher: set aside, unless a GPU is initialised here
     with patch_environment(**env), _fresh_accelerate_state(not torch.cuda.is_initialized()):
         if num_processes == 1: return _run_one(fn, args, threads, timeout)
         port = port or free_port()
@@ -276,12 +278,10 @@ def main():
     "`accelerate launch [flags] -m distcourse.launch`: check that the flags start the process group they promise."
     acc = make_accelerator()
     ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
-    if acc.is_main_process:
-        print(f"ok: {acc.num_processes} process(es), {acc.distributed_type.value}, backend {acc.state.backend}, "
-              f"ranks {ranks}")
+    if acc.is_main_process: print(f"ok: {acc.num_processes} process(es), {acc.distributed_type.value}, "
+                                  f"backend {acc.state.backend}, ranks {ranks}")
     acc.wait_for_everyone(); acc.end_training()  # leave the group together: exiting without it can abort a rank
 
-# %% ../nbs/02a_launch.ipynb #1847b32f
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook
 
 # %% ../nbs/02a_launch.ipynb #ed3b0759
