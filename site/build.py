@@ -50,10 +50,11 @@ def skipped_flags(test) -> set:
 
 
 def record_kernels():
-    "Give every lesson's kernel site/record_forks.py as an IPython start-up file, logging into FORKS."
+    "Start every lesson's kernel with site/record_forks.py (an IPython start-up file), logging into FORKS."
     startup = SRC / "ipython/profile_default/startup"
     startup.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ROOT / "site/record_forks.py", startup / "00-record_forks.py")
+    (startup / "00-record_forks.py").write_text(  # in its own namespace: the lesson's names stay the lesson's
+        f"import runpy; runpy.run_path({str(ROOT / 'site/record_forks.py')!r}); del runpy\n")
     FORKS.mkdir(parents=True, exist_ok=True)
 
 

@@ -1,8 +1,8 @@
-"""IPython start-up file that `python site/build.py` gives each lesson's kernel: it appends to $DISTCOURSE_FORK_LOG,
-one JSON object a line and in order, every `Accelerator` made, every Accelerate state and GPU set up, and every fork
-of the kernel's own process, each with the line of the lesson's cell that led to it. `tests/test_forks.py` reads the
-logs: a process forked after an Accelerator or a GPU was set up in the kernel cannot use the GPU ("Cannot
-re-initialize CUDA in forked subprocess"). It changes nothing else: the originals run unchanged."""
+"""Run, in its own namespace, by the IPython start-up file that `python site/build.py` gives each lesson's kernel:
+appends to $DISTCOURSE_FORK_LOG, one JSON object a line and in order, every `Accelerator` made, every Accelerate
+state and GPU set up, and every fork of the kernel's own process, each with the lines of the lesson that led to
+it. `tests/test_forks.py` reads the logs: a process forked after an Accelerator or a GPU was set up in the kernel
+cannot use the GPU ("Cannot re-initialize CUDA in forked subprocess"). The wrapped originals run unchanged."""
 import functools
 import importlib.abc
 import importlib.util
