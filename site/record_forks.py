@@ -1,7 +1,7 @@
 """Run, in its own namespace, by the IPython start-up file that `python site/build.py` gives each lesson's kernel:
 appends to $DISTCOURSE_FORK_LOG, one JSON object a line and in order, every `Accelerator` made, every Accelerate
-state and GPU set up, and every fork of the kernel's own process, each with the lines of the lesson that led to
-it. `tests/test_forks.py` reads the logs: a process forked after an Accelerator or a GPU was set up in the kernel
+state set up (accelerate's `skip_first_batches` makes one; without a process group it initialises no GPU), every
+GPU initialised and every fork of the kernel's own process, each with the lines of the lesson that led to it. `tests/test_forks.py` reads the logs: a process forked after an Accelerator or a GPU was set up in the kernel
 cannot use the GPU ("Cannot re-initialize CUDA in forked subprocess"). The wrapped originals run unchanged."""
 import functools
 import importlib.abc
@@ -52,8 +52,8 @@ def _lazy_init_of(module):
 
 PATCHES = {  # module: what to wrap once it has been imported (nothing is imported early)
     "accelerate.accelerator": lambda m: _wrap(m.Accelerator, "__init__", "accelerator", "Accelerator()"),
-    "accelerate.state": lambda m: _wrap(m.PartialState, "__init__", "accelerator", "Accelerate state",
-                                        lambda: not m.PartialState._shared_state),
+    "accelerate.state": lambda m: _wrap(m.PartialState, "__init__", "state", "Accelerate state",  # for reading:
+                                        lambda: not m.PartialState._shared_state),  # it picks no GPU by itself
     "torch.cuda": _lazy_init_of,
     "torch.xpu": _lazy_init_of,
 }

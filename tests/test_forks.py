@@ -1,7 +1,9 @@
 """No lesson sets up an Accelerator or a GPU in its kernel and later forks the kernel: on a GPU machine the forked
 processes could not use the GPU ("Cannot re-initialize CUDA in forked subprocess"). The evidence is the log each
 lesson's kernel wrote while `python site/build.py --test` (which CI runs before the tests) executed it: every
-Accelerator made, every Accelerate state and GPU set up, every fork, in order (site/record_forks.py)."""
+Accelerator made, every GPU initialised, every fork, in order (site/record_forks.py). An Accelerate state alone
+(accelerate's `skip_first_batches` makes one in lesson 07's kernel) is logged but allowed: without a process group
+it picks the GPU as a device name and initialises nothing."""
 import hashlib
 import json
 import os
@@ -75,12 +77,12 @@ os.waitpid(pid, 0)
 
 
 def test_the_recorder_sees_accelerators_and_forks(tmp_path):
-    "The recorder itself, in a plain interpreter: the fork, the Accelerator (and its state), the fork after it."
+    "The recorder itself, in a plain interpreter: a fork, an Accelerator (its state first), the fork after it."
     log = tmp_path / "events.jsonl"
     proc = subprocess.run([sys.executable, "-c", RECORDED, str(log), str(ROOT / "site/record_forks.py")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = [json.loads(l) for l in log.read_text().splitlines()]
     assert [(e["event"], e.get("what")) for e in events] == [
-        ("fork", None), ("accelerator", "Accelerate state"), ("accelerator", "Accelerator()"), ("fork", None)]
-    assert fork_after_setup(events[:1]) is None and fork_after_setup(events) == (events[1], events[3])
+        ("fork", None), ("state", "Accelerate state"), ("accelerator", "Accelerator()"), ("fork", None)]
+    assert fork_after_setup(events[:2]) is None and fork_after_setup(events) == (events[2], events[3])
