@@ -128,7 +128,7 @@ def main_job(b: Bench, steps, tmp) -> dict:
     cfg = Config(model=b.model, batch_size=b.batch_size, seq_len=b.seq_len, max_steps=steps, eval_every=0,
                  log_every=5, tracker="none", output_dir=str(Path(tmp, "main_job")),
                  compile="true")  # what --compile auto picks for the main job's 450 steps
-    launch(train, (cfg,), num_processes=1)  # a fresh Accelerate state, in this process
+    launch(train, (cfg,), num_processes=1)  # a forked process, with a fresh Accelerate state
     run = json.loads(Path(cfg.output_dir, "run.json").read_text())
     windows = [r["tokens_per_s"] for r in read_metrics(cfg.output_dir)["train"][2:]]  # compile and warm-up left out
     return {"tokens_per_s": statistics.median(windows), "steps": steps, "choices": run["choices"],

@@ -8,15 +8,18 @@ __all__ = ['free_port', 'cores', 'time_limit', 'launch', 'hello_worker', 'plain_
            'local_processes', 'cpu_threads', 'accelerator_worker', 'main', 'all_ranks_reach']
 
 # %% ../nbs/02a_launch.ipynb #02a3a7b0
+import ctypes
 import json
 import multiprocessing
 import os
+import pickle
 import random
 import shutil
 import socket
 import tempfile
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -53,6 +56,11 @@ def cores() -> int:
     "The cores this process may run on."
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
+def _free_openmp_threads():  # GNU OpenMP's pool does not survive a fork (a child using it hangs): free it
+    if pause := getattr(ctypes.CDLL(None), "omp_pause_resource_all", None): pause(2)  # hard; remade on use
+
+os.register_at_fork(before=_free_openmp_threads)  # launch, notebook_launcher, DataLoader workers: all fork
+
 # %% ../nbs/02a_launch.ipynb #c20d7c2a
 def _start_dir(parent, port) -> Path:  # the forking process's pid, the run's rendezvous port
     return Path(tempfile.gettempdir(), f"distcourse-start-{parent}-{port}")
@@ -74,8 +82,21 @@ def _worker(fn, threads, *args):
     torch.set_num_threads(threads)
     for quiet in (disable_datasets_bars, disable_hub_bars, disable_transformers_bar):
         quiet()  # a forked process writes into the notebook's kernel channel: its widget bars arrive as stray messages
-    fn(*args)
+    result = fn(*args)
     if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # a rank exiting early can abort another
+    return result
+
+def _one_process(fn, threads, args, conn):
+    "The process of a one-process launch (a fork): `fn` from a fresh Accelerate state; its result or error sent back."
+    for cls in (PartialState, AcceleratorState, GradientState): cls._shared_state.clear()  # as a new process
+    try: kind, value, tb = "result", _worker(fn, threads, *args), ""
+    except BaseException as e: kind, value, tb = "error", e, traceback.format_exc()  # raised again by the caller
+    try: pickle.loads(data := pickle.dumps((kind, value, tb)))  # plain pickle: tensors copied, not shared
+    except Exception:  # a result that cannot be pickled, or an error that cannot be rebuilt from its pickle
+        why = RuntimeError(f"{type(value).__name__}: {value}") if kind == "error" else TypeError(f"fn returned "
+            f"a {type(value).__name__}, which cannot be pickled back: return plain data (numbers, lists, dicts...)")
+        data = pickle.dumps(("error", why, tb))
+    conn.send_bytes(data)
 
 @contextmanager
 def _fresh_accelerate_state(clear=True):
@@ -89,8 +110,7 @@ def _fresh_accelerate_state(clear=True):
 
 # %% ../nbs/02a_launch.ipynb #cd6a5e6d
 @contextmanager
-def time_limit(seconds,  # how long the processes started in the body may run before they are killed
-              ):
+def time_limit(seconds):  # how long the processes started in the body may run before they are killed
     "Kill the processes the body started that still run after `seconds`, and raise a TimeoutError saying so."
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     fired = threading.Event()
@@ -109,29 +129,42 @@ def time_limit(seconds,  # how long the processes started in the body may run be
                            "slow, allow it more time (launch: timeout= or DISTCOURSE_LAUNCH_TIMEOUT)") from None
     finally: timer.cancel()
 
+def _run_one(fn, args, threads, timeout):
+    "`fn(*args)` in one forked process, so that this one never touches the device; its result, or its error."
+    receive, send = multiprocessing.Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_one_process, args=(fn, threads, args, send))
+    try:
+        with time_limit(timeout):
+            child.start(); send.close()
+            try: kind, value, tb = pickle.loads(receive.recv_bytes())
+            except EOFError: kind = None  # it died without a word; time_limit says if it killed it
+            child.join()
+            if kind is None: raise ChildProcessError(f"the launched process died, exit code {child.exitcode}")
+    finally:
+        if child.is_alive(): child.kill()  # interrupted here: the process goes too
+    if kind == "result": return value
+    if tb: value.__cause__ = ChildProcessError(f"in the launched process:\n{tb}")  # its traceback, shown above
+    raise value
+
 def launch(fn,              # any function: the processes are forks of this one, so they have it
            args=(),         # positional arguments of `fn`
-           num_processes=2, # processes on this machine; 1 runs `fn` here, in this process
+           num_processes=2, # processes on this machine (1 too is a forked process)
            port=None,       # rendezvous port; a free one when None (the default 29500 collides)
            timeout=None,    # seconds before the processes are stopped; None: $DISTCOURSE_LAUNCH_TIMEOUT or 900
            **env):          # environment variables for the run, e.g. ACCELERATE_MIXED_PRECISION="bf16"
-    "Run `fn(*args)` on `num_processes` processes that form one process group (gloo on CPU)."
+    "Run `fn(*args)` on `num_processes` processes that form one process group (gloo on CPU); 1: `fn`'s result."
     if num_processes < 1: raise ValueError(f"num_processes={num_processes}: must be at least 1")
     threads = max(1, cores() // num_processes)
     cpu = {} if torch.cuda.is_available() else {"ACCELERATE_USE_CPU": "true"}
     env = {"DISTCOURSE_WORLD_SIZE": num_processes, "TOKENIZERS_PARALLELISM": "false", **cpu, **env}
     timeout = float(timeout or os.environ.get("DISTCOURSE_LAUNCH_TIMEOUT", 900))
-    # An Accelerator made earlier in this process would leak into `fn` or block notebook_launcher; that only
-    # matters when a GPU is already initialised here (forked processes cannot use it), so then we leave it.
-    clear = num_processes == 1 or not torch.cuda.is_initialized()
-    with patch_environment(**env), _fresh_accelerate_state(clear):
-        if num_processes == 1: return fn(*args)
+    with patch_environment(**env), _fresh_accelerate_state(not torch.cuda.is_initialized()):
+        if num_processes == 1: return _run_one(fn, args, threads, timeout)
         port = port or free_port()
         try:
             with time_limit(timeout):
                 notebook_launcher(_worker, (fn, threads, *args), num_processes=num_processes, use_port=str(port))
         finally: shutil.rmtree(_start_dir(os.getpid(), port), ignore_errors=True)
-
 
 # %% ../nbs/02a_launch.ipynb #eac535a1
 def hello_worker(out_dir):
@@ -245,12 +278,10 @@ def main():
     "`accelerate launch [flags] -m distcourse.launch`: check that the flags start the process group they promise."
     acc = make_accelerator()
     ranks = acc.gather(torch.tensor([acc.process_index], device=acc.device)).tolist()
-    if acc.is_main_process:
-        print(f"ok: {acc.num_processes} process(es), {acc.distributed_type.value}, backend {acc.state.backend}, "
-              f"ranks {ranks}")
+    if acc.is_main_process: print(f"ok: {acc.num_processes} process(es), {acc.distributed_type.value}, "
+                                  f"backend {acc.state.backend}, ranks {ranks}")
     acc.wait_for_everyone(); acc.end_training()  # leave the group together: exiting without it can abort a rank
 
-# %% ../nbs/02a_launch.ipynb #1847b32f
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook
 
 # %% ../nbs/02a_launch.ipynb #ed3b0759

@@ -5,11 +5,13 @@
 
 Writes site/_build/ (open site/_build/index.html, or `python -m http.server -d site/_build`). The lessons are
 executed by this command, in fresh kernels, so the pages can never show outputs of older code; a lesson that
-raises fails the build. MkDocs (Material theme, mkdocs-jupyter) renders the pages: it installs from PyPI,
+raises fails the build. Each kernel also logs, in order, the Accelerators and GPUs it set up and the times it
+forked (site/record_forks.py, into site/_src/forks/; tests/test_forks.py reads them). MkDocs (Material theme, mkdocs-jupyter) renders the pages: it installs from PyPI,
 while nbdev's own docs builder needs Quarto, whose installer downloads a binary.
 """
 import argparse
 import configparser
+import hashlib
 import importlib
 import inspect
 import json
@@ -24,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC, OUT = ROOT / "site/_src", ROOT / "site/_build"
+FORKS = SRC / "forks"  # per lesson: what its kernel process set up and when it forked (tests/test_forks.py)
 
 
 def lessons() -> list:
@@ -46,6 +49,15 @@ def skipped_flags(test) -> set:
     return {"eval: false", *(cfg["DEFAULT"]["tst_flags"].split() if test else ())}
 
 
+def record_kernels():
+    "Start every lesson's kernel with site/record_forks.py (an IPython start-up file), logging into FORKS."
+    startup = SRC / "ipython/profile_default/startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / "00-record_forks.py").write_text(  # in its own namespace: the lesson's names stay the lesson's
+        f"import runpy; runpy.run_path({str(ROOT / 'site/record_forks.py')!r}); del runpy\n")
+    FORKS.mkdir(parents=True, exist_ok=True)
+
+
 def execute(path, test) -> tuple:
     "Run one lesson top to bottom in a fresh kernel (cwd nbs/); write it with its outputs. (name, seconds, error)."
     import nbformat
@@ -54,6 +66,9 @@ def execute(path, test) -> tuple:
     os.environ.update({"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",  # a static page: no live bars
                        "MPLBACKEND": "module://matplotlib_inline.backend_inline"})
     if test: os.environ["IN_TEST"] = "1"
+    log = FORKS / f"{path.stem}.jsonl"  # the kernel appends its events; the lesson's hash says which version ran
+    log.write_text(json.dumps({"event": "start", "source": hashlib.sha256(path.read_bytes()).hexdigest()}) + "\n")
+    os.environ.update(IPYTHONDIR=str(SRC / "ipython"), DISTCOURSE_FORK_LOG=str(log))
     nb, t0, error = nbformat.read(path, as_version=4), time.time(), None
     skip = skipped_flags(test)
     for cell in nb.cells:
@@ -66,6 +81,7 @@ def execute(path, test) -> tuple:
     try: client.execute()
     except CellExecutionError as e: error = str(e).strip().splitlines()[-1]
     except CellTimeoutError: error = f"a cell ran past {limit} s (raise the limit in site/build.py if it was only slow)"
+    with open(log, "a") as f: f.write(json.dumps({"event": "end", "error": error}) + "\n")  # it ran to its end
     nbformat.write(nb, SRC / "lessons" / path.name)
     return path.stem, round(time.time() - t0, 1), error
 
@@ -127,6 +143,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     shutil.rmtree(SRC, ignore_errors=True)
     (SRC / "lessons").mkdir(parents=True)
+    record_kernels()
     t0 = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(execute, lessons(), [args.test] * len(lessons())))

@@ -4,9 +4,12 @@ import os
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 from accelerate.state import PartialState
 
 from conftest import ACCELERATE, PY, ROOT
@@ -43,7 +46,7 @@ def _asks_for_two():
 
 
 def test_verify_world_size_raises_on_mismatch(tmp_path):
-    "In one process, expected=2 raises; the in-process run leaves no Accelerate state behind."
+    "In one process, expected=2 raises, here; the launched process leaves no Accelerate state behind."
     with pytest.raises(RuntimeError, match=r"expected=2 but the Accelerator realised 1 process\(es\)"):
         launch(_asks_for_two, num_processes=1, **CPU)
     assert not PartialState._shared_state
@@ -91,6 +94,74 @@ def test_failure_in_the_processes_reaches_the_caller(tmp_path):
 def test_mixed_precision_through_the_environment(tmp_path):
     launch(accelerator_worker, (tmp_path,), num_processes=2, ACCELERATE_MIXED_PRECISION="bf16", **CPU)
     assert {s["mixed_precision"] for s in reports(tmp_path)} == {"bf16"}
+
+
+def _where_and_what(x):
+    acc = make_accelerator()
+    return {"pid": os.getpid(), "twice": 2 * x, "num_processes": acc.num_processes, "t": torch.arange(3)}
+
+
+def test_one_process_runs_in_a_fork_and_returns_its_result():
+    "The kernel never sets up an Accelerator: a GPU initialised there would be unusable in any later fork."
+    got = launch(_where_and_what, (21,), num_processes=1, **CPU)
+    assert got["pid"] != os.getpid() and (got["twice"], got["num_processes"]) == (42, 1)
+    assert torch.equal(got["t"], torch.arange(3))  # a tensor comes back whole (copied, not shared memory)
+    assert not PartialState._shared_state
+
+
+def _fails_deep_down():
+    raise ValueError("keep=0: keep at least 1 checkpoint")
+
+
+def test_one_process_error_is_raised_here_with_its_traceback():
+    with pytest.raises(ValueError, match="keep=0") as e:
+        launch(_fails_deep_down, num_processes=1, **CPU)
+    assert "in _fails_deep_down" in str(e.value.__cause__)  # the launched process's own traceback
+
+
+class _NeedsTwoArgs(Exception):
+    def __init__(self, what, code): super().__init__(what); self.code = code
+
+
+def _unpicklable_error(): raise _NeedsTwoArgs("no such run", 3)
+def _returns_a_generator(): return (i for i in range(3))
+def _dies(): os._exit(3)
+
+
+def test_one_process_results_that_cannot_come_back():
+    with pytest.raises(TypeError, match="a generator, which cannot be pickled back: return plain data"):
+        launch(_returns_a_generator, num_processes=1)
+    with pytest.raises(RuntimeError, match="_NeedsTwoArgs: no such run"):  # rebuilt from its text
+        launch(_unpicklable_error, num_processes=1)
+    with pytest.raises(ChildProcessError, match="the launched process died, exit code 3"):
+        launch(_dies, num_processes=1)
+
+
+def _sleeps(): time.sleep(600)
+
+
+def test_one_process_timeout():
+    before = {c.pid for c in psutil.Process().children()}
+    with pytest.raises(TimeoutError, match="still running after 1 s were stopped"):
+        launch(_sleeps, num_processes=1, timeout=1)
+    left = [c for c in psutil.Process().children() if c.pid not in before and c.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
+
+
+def _layer_norms(threads=2):
+    torch.set_num_threads(threads)
+    x = torch.randn(256, 4096)
+    for _ in range(10): torch.nn.functional.layer_norm(x, (4096,))  # an OpenMP parallel region, on 2 threads
+    return "done"
+
+
+def test_a_fork_after_openmp_work_does_not_hang():
+    "GNU OpenMP's thread pool does not survive a fork (a forked process that used it waited for ever): freed first."
+    before = torch.get_num_threads()
+    try:
+        _layer_norms()  # this process's OpenMP threads exist now
+        assert launch(_layer_norms, num_processes=1, timeout=30) == "done"
+    finally: torch.set_num_threads(before)
 
 
 def test_bad_num_processes():
