@@ -74,16 +74,19 @@ class PeakMemory(MemTracker):
         super()._update_snap(*args, **kwargs)
         for dev, snap in self._curr_mem_snap.items():
             best = self.peaks.setdefault(str(dev), {})
-            for k, v in snap.items(): best[getattr(k, "name", k)] = max(best.get(getattr(k, "name", k), 0), v)
+            for k, v in snap.items():
+                name = getattr(k, "name", k)  # GRAD, ACT, ... and "Total"
+                best[name] = max(best.get(name, 0), v)
 
-    def _pre_fw_hook(self, module, inputs):  # MemTracker refuses the root's second forward (a micro-batch)
-        again = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}
-        if again and module in self.memory_tracking and not self._mod_tracker.is_bw: self.reset_mod_stats()
-        super()._pre_fw_hook(module, inputs)  # its per-module statistics start over; the peaks do not
+    def _pre_fw_hook(self, module, inputs):  # MemTracker refuses the root's next forward (micro-batch)
+        tracker = self._mod_tracker
+        again = set(tracker.parents) - {tracker.get_known_fqn(module)} == {"Global"}  # the root
+        if again and module in self.memory_tracking and not tracker.is_bw: self.reset_mod_stats()
+        super()._pre_fw_hook(module, inputs)  # per-module statistics start over; the peaks do not
 
     def __enter__(self):
         self._quiet = warnings.catch_warnings()
-        self._quiet.__enter__()  # its post-accumulate hook warns where an earlier hook freed the .grad
+        self._quiet.__enter__()  # its post-accumulate hook warns where an earlier one freed .grad
         warnings.filterwarnings("ignore", "Expected a tensor or a traceable wrapper-subclass")
         return super().__enter__()
 

@@ -52,9 +52,9 @@ class FlatZeroOptimizer(torch.optim.Optimizer):
                  group=None):                        # the process group to shard over (None: the world)
         self.pg, self.rank, self.world = group, dist.get_rank(group), dist.get_world_size(group)
         base = make_optimizer(model, lr, weight_decay)
-        hyper = [({h: v for h, v in g.items() if h != "params"}, ps)  # a flat buffer per group (ZeRO-2: bucket)
+        hyper = [({h: v for h, v in g.items() if h != "params"}, ps)  # a flat buffer per group/bucket
                  for g in base.param_groups if g["params"] for ps in self._split(g["params"])]
-        self.groups, self.shards = [ps for _, ps in hyper], []  # the model's tensors, per flat buffer
+        self.groups, self.shards = [ps for _, ps in hyper], []  # the model's tensors per buffer
         for ps in self.groups:
             k = -(-sum(p.numel() for p in ps) // self.world)  # slice length: the buffer is padded to k·N
             self.shards.append(_flat_slice(ps, self.rank * k, (self.rank + 1) * k))
@@ -129,7 +129,7 @@ ZERO1 = {"flat": FlatZeroOptimizer, "torch": torch_zero1}  # zero_worker's choic
 
 # %% ../nbs/05a_zero.ipynb #ebcbe51e
 def buckets(ps, size) -> list:
-    "`ps` cut into buckets of about `size` numbers, last tensors first (backward's order); a larger tensor alone."
+    "`ps` cut into buckets of about `size` numbers, last first (backward's order); a larger one alone."
     out = [[]]
     for p in reversed(ps):
         if out[-1] and sum(q.numel() for q in out[-1]) + p.numel() > size: out.append([])
@@ -137,33 +137,33 @@ def buckets(ps, size) -> list:
     return out
 
 class FlatZero2Optimizer(FlatZeroOptimizer):
-    "ZeRO-2 without DDP: in backward, each complete bucket of gradients is reduce-scattered to its N slices."
+    "ZeRO-2 without DDP: in backward, each complete bucket of gradients is reduce-scattered."
     def __init__(self, model, lr, weight_decay=0.1, group=None,  # as FlatZeroOptimizer
-                 reduce_bucket_size=2**18):  # numbers per bucket (DeepSpeed's name); None: all, after backward
+                 reduce_bucket_size=2**18):  # numbers per bucket; None: all after backward
         if reduce_bucket_size is not None and not reduce_bucket_size >= 1: raise ValueError(
-            f"reduce_bucket_size={reduce_bucket_size!r}: give numbers per bucket (>= 1), or None for one after backward")
+            f"reduce_bucket_size={reduce_bucket_size!r}: give numbers per bucket (>= 1) or None")
         self.bucket_size = reduce_bucket_size  # read by _split, in FlatZeroOptimizer's __init__
         super().__init__(model, lr, weight_decay, group)
-        self.grad_slices = [torch.zeros_like(s) for s in self.shards]  # (k,) per bucket: all the gradient kept
-        self.left = [len(ps) for ps in self.groups]  # gradients each bucket still waits for in this backward
-        self.first = [True] * len(self.groups)       # nothing reduced into the bucket's slice yet this step
+        self.grad_slices = [torch.zeros_like(s) for s in self.shards]  # (k,) per bucket: all kept
+        self.left = [len(ps) for ps in self.groups]  # gradients a bucket awaits in this backward
+        self.first = [True] * len(self.groups)       # its slice holds nothing yet this step
         for i, ps in enumerate(self.groups if reduce_bucket_size else ()):
-            for p in ps: p.register_post_accumulate_grad_hook(partial(self._arrived, i))  # the tied matrix: once
+            for p in ps: p.register_post_accumulate_grad_hook(partial(self._arrived, i))  # tied: once
 
     def _split(self, ps) -> list: return buckets(ps, self.bucket_size) if self.bucket_size else [ps]
 
     @torch.no_grad()
-    def _arrived(self, i, p):  # a post-accumulate-grad hook: p.grad is this backward's whole local gradient
+    def _arrived(self, i, p):  # post-accumulate-grad hook: p.grad is this backward's local whole
         self.left[i] -= 1
         if self.left[i] == 0: self._reduce(i)
 
     @torch.no_grad()
     def _reduce(self, i):
-        "Reduce-scatter bucket i: slice r of the ranks' mean is added to rank r's slice; the `.grad` are freed."
+        "Reduce-scatter bucket i: slice r of the ranks' mean is added to rank r's; `.grad` freed."
         ps, g = self.groups[i], self.grad_slices[i]
         alone = len(ps) == 1 and ps[0].grad is not None and ps[0].numel() == g.numel() * self.world
-        flat = ps[0].grad.reshape(-1) if alone else _flat_slice(_grads(ps), 0, g.numel() * self.world)  # (kN,)
-        out = g if self.first[i] else torch.empty_like(g)  # a later micro-batch's is added to the slice
+        flat = ps[0].grad.reshape(-1) if alone else _flat_slice(_grads(ps), 0, g.numel() * self.world)
+        out = g if self.first[i] else torch.empty_like(g)  # a later micro-batch's: added
         dist.reduce_scatter_single(out, flat.div_(self.world), group=self.pg)  # DDP's mean: ÷N, then Σ
         if out is not g: g.add_(out)
         for p in ps: p.grad = None  # the full gradient goes: this rank keeps only its slice
@@ -173,7 +173,7 @@ class FlatZero2Optimizer(FlatZeroOptimizer):
     def reduce_scatter_grads(self) -> list:
         "Reduce what backward left (every bucket if None); the slices become the shards' gradients."
         for i, ps in enumerate(self.groups):
-            if any(p.grad is not None for p in ps): self._reduce(i)  # a tensor without gradient: zeros
+            if any(p.grad is not None for p in ps): self._reduce(i)  # one without gradient: zeros
         for s, g in zip(self.shards, self.grad_slices): s.grad = g
         return self.grad_slices
 
@@ -199,14 +199,14 @@ class FlatZero2Optimizer(FlatZeroOptimizer):
         return out
 
     def step(self):
-        "Reduce what backward left, ZeRO-1's step (AdamW on slices, all-gather), then empty the slices."
+        "Reduce what backward left, ZeRO-1's step (AdamW on slices, all-gather), empty the slices."
         self.reduce_scatter_grads()
         super().step()
         for g in self.grad_slices: g.zero_()
         self.first = [True] * len(self.groups)
 
 ZERO2 = {"fsdp": None, "flat": FlatZero2Optimizer,  # zero_worker's choice at stage 2 (None: FSDP2)
-         "after": partial(FlatZero2Optimizer, reduce_bucket_size=None)}  # the whole gradient, after backward
+         "after": partial(FlatZero2Optimizer, reduce_bucket_size=None)}  # all, after backward
 
 # %% ../nbs/05a_zero.ipynb #07ee38ff
 def check_stage(accelerator, stage):
@@ -268,7 +268,7 @@ def full_state_dict(model) -> dict:
 def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e-3, model="tiny",
                 max_examples=400, max_grad_norm=1.0, grad_accum=1, mixed_precision="no",
                 zero1="flat",   # stage 1: "flat" (FlatZeroOptimizer) or "torch" (ZeroRedundancyOptimizer)
-                zero2="fsdp",   # stage 2: "fsdp" (FSDP2), "flat" (FlatZero2Optimizer) or "after" (one bucket)
+                zero2="fsdp",   # stage 2: "fsdp" (FSDP2), "flat" (FlatZero2Optimizer) or "after"
                 peak=False):    # measure the second step's peak bytes per category (PeakMemory)
     "Worker: each stage from the same weights on the same batches; rank 0 writes memory, traffic, losses, weights."
     acc = make_accelerator(mixed_precision=mixed_precision)
@@ -283,11 +283,11 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
             by_hand = getattr(opt, "full_grads", None)  # ZeRO-2 by hand holds reduced slices
             first.update(by_hand(model) if by_hand else full_grads(acc.unwrap_model(model)))
         for i in range(steps):
-            pm = PeakMemory(net, opt, getattr(opt, "grad_slices", ())) if peak and i == 1 else nullcontext()
-            with count_collectives(comm) if i == 1 else nullcontext(), pm:  # the second step: a steady one
+            pm = PeakMemory(net, opt, getattr(opt, "grad_slices", ())) if peak and i == 1 else None
+            with count_collectives(comm) if i == 1 else nullcontext(), pm or nullcontext():  # steady
                 hist.append(train_step(acc, net, opt, sched, [next(batches) for _ in range(grad_accum)], "clm",
                                        max_grad_norm, on_grads=keep_grads if i == 0 else None))
-            if isinstance(pm, PeakMemory): mem["peak"] = pm.peaks[str(next(net.parameters()).device)]
+            if pm: mem["peak"] = pm.peaks[str(next(net.parameters()).device)]
         if acc.is_main_process: torch.save(first, Path(out_dir, f"grads_stage{stage}.pt"))
         mem["grads_bytes"] += sum(tensor_bytes(g) for g in getattr(opt, "grad_slices", ()))  # ZeRO-2 by hand
         weights, mems = full_state_dict(acc.unwrap_model(net)), [None] * acc.num_processes
