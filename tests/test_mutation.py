@@ -39,8 +39,8 @@ def fault(name, module, old, new, check, what):  # old: text that occurs exactly
 FAULTS = [
     fault("dp: mean where sum", "ddp", "scale = accelerator.num_processes * accelerator.grad",
           "scale = accelerator.grad", "dp2", "DDP's mean over ranks not undone (x N dropped)"),
-    fault("dp: sum where mean", "zero", "reduce_scatter_single(g, flat.div_(self.world), group",
-          "reduce_scatter_single(g, flat, group", "zero2_by_hand",
+    fault("dp: sum where mean", "zero", "reduce_scatter_single(out, flat.div_(self.world), group",
+          "reduce_scatter_single(out, flat, group", "zero2_by_hand",
           "ZeRO-2 by hand reduce-scatters the sum of the ranks' mean gradients"),
     fault("tp: mean where sum", "tensor_parallel",
           'return all_reduce_(grad.contiguous(), ctx.group, "backward", ctx.log), None, None',
