@@ -1,5 +1,5 @@
 """The contenders `run.py` times: one optimizer step of the same model on the same data, written three ways,
-and a large matmul (the peak that MFU is measured against).
+and a large matmul (the measured rate that `mm_utilisation` divides by; MFU uses the datasheet's).
 
 Every contender builds its model with `torch.manual_seed(seed)` from the same preset and tokenizer, reads the
 same packed blocks, and does the same math: forward, token-mean cross-entropy, backward, clip the gradient
@@ -100,7 +100,7 @@ class DistcourseStep:
 
 
 class Matmul:
-    "`reps` square matmuls of size `n` in `dtype`: the FLOP/s this machine reaches (the peak MFU is measured against)."
+    "`reps` square matmuls of size `n` in `dtype`: the FLOP/s this machine reaches (what `mm_utilisation` divides by)."
     name = "matmul"
 
     def __init__(self, device, dtype, n, reps=1):

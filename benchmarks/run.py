@@ -36,6 +36,7 @@ from distcourse.comm import TIMED, measure_collectives, predicted_all_reduce_s  
 from distcourse.launch import make_accelerator  # noqa: E402
 from distcourse.gpt import flops_per_token  # noqa: E402
 from distcourse.model import num_params  # noqa: E402
+from distcourse.tracking import DATASHEET_FLOPS, datasheet_gpu  # noqa: E402
 
 from bench_data import data_throughput, padding_waste  # noqa: E402
 import bench_comm  # noqa: E402
@@ -88,18 +89,18 @@ def contenders(b: Bench, matmul_n, hf, tmp) -> dict:
 
 
 def summarize(per, b: Bench, model) -> dict:
-    "Tokens/s; ratios and MFU as medians over turns of what was measured back to back in each turn."
+    "Tokens/s; ratios and model FLOPs over the matmul's rate as medians over turns of what ran back to back."
     rate = {k: [v["work_per_step"] / s for s in v["step_s"]] for k, v in per.items()}  # tokens/s (matmul: FLOP/s)
     tps = {k: statistics.median(v) for k, v in rate.items() if k != "matmul"}
     fpt = flops_per_token(model, b.seq_len)
     def ratio(a, c):
         paired = [x / y for x, y in zip(rate[a], rate[c])]
         return {"ratio": statistics.median(paired), "paired_iqr": quartiles(paired), "ratio_of_medians": tps[a] / tps[c]}
-    mfu = {k: statistics.median([fpt * x / peak for x, peak in zip(rate[k], rate["matmul"])]) for k in tps}
+    mm = {k: statistics.median([fpt * x / peak for x, peak in zip(rate[k], rate["matmul"])]) for k in tps}
     out = {"tokens_per_s": tps, "tokens_per_s_iqr": {k: quartiles(rate[k]) for k in tps},
            "step_s": {k: v["step_s"] for k, v in per.items()}, "flops_per_token": fpt,
            "peak_flops": statistics.median(rate["matmul"]), "peak_flops_iqr": quartiles(rate["matmul"]),
-           "mfu_by_contender": mfu, "ratios": {"loop_vs_torch": ratio("distcourse", "torch")}}
+           "mm_utilisation_by_contender": mm, "ratios": {"loop_vs_torch": ratio("distcourse", "torch")}}
     if "hf_trainer" in tps:
         out["ratios"] |= {"loop_vs_hf_trainer": ratio("distcourse", "hf_trainer"),
                           "hf_trainer_vs_torch": ratio("hf_trainer", "torch")}
@@ -228,8 +229,12 @@ def main(argv=None):
         res["matched_vs_hf_trainer"] = res["paths"]["bf16 compile"]["loop_vs_hf_trainer"]
         sections["paths"] = time.time() - t
     res.setdefault("loop_vs_hf_trainer", None)
-    res["mfu"], res["peak"] = res["mfu_by_contender"]["distcourse"], {
-        "flops_per_s": res["peak_flops"], "what": f"torch.mm {matmul_n}x{matmul_n}, {b.precision}, on {b.device}"}
+    res["mm_utilisation"] = res["mm_utilisation_by_contender"]["distcourse"]  # over a measured matmul: not MFU
+    card = datasheet_gpu(torch.cuda.get_device_name()) if b.device == "cuda" else None
+    sheet = DATASHEET_FLOPS[card]["bf16"] if card and b.precision == "bf16" else None  # fp32 here runs on TF32
+    res["mfu"] = res["flops_per_token"] * res["tokens_per_s"]["distcourse"] / sheet if sheet else None  # PaLM's MFU
+    res["peak"] = {"flops_per_s": res["peak_flops"], "what": f"torch.mm {matmul_n}x{matmul_n}, {b.precision}, "
+                   f"on {b.device}", "card": card, "datasheet_flops_per_s": sheet}
     res["load_average"]["end"] = os.getloadavg()[0]
     res["targets"], res["section_s"], res["wall_s"] = targets(res), sections, time.time() - t0
     out = Path(args.out); out.mkdir(parents=True, exist_ok=True)

@@ -126,13 +126,17 @@ def _meta_model(config) -> nn.Module:
 def flops_per_token(model_or_config, # a model (GPT or transformers), a GPTConfig or a transformers config
                     seq_len,         # T, tokens per sequence
                    ) -> float:
-    "Training FLOPs per token, nanoGPT's estimate_mfu: 6N + 12·L·H·Q·T, N = parameters but position embeddings."
+    "Training FLOPs per token (PaLM, nanoGPT's estimate_mfu): 6N + 12·L·H·Q·T, N = parameters but looked-up tables."
     model = model_or_config if isinstance(model_or_config, nn.Module) else _meta_model(model_or_config)
     L, H = _cfg(model.config, "n_layer", "num_hidden_layers"), _cfg(model.config, "n_head", "num_attention_heads")
     C = _cfg(model.config, "n_embd", "hidden_size")
     if None in (L, H, C): raise ValueError(f"{type(model.config).__name__} does not say its layers, heads and width; "
                                            "pass a GPT, GPT-2 or BERT model or config")
-    N = num_params(model, non_embedding=True)  # nanoGPT's N: all parameters but the position embeddings
+    get_out = getattr(model, "get_output_embeddings", None)  # transformers models; a GPT: its lm_head
+    out = get_out() if get_out else getattr(model, "lm_head", None)
+    tables = {id(m.weight): m.weight.numel() for m in model.modules()  # looked up, not multiplied: not in N
+              if isinstance(m, nn.Embedding) and m.weight is not getattr(out, "weight", None)}  # unless tied to out
+    N = num_params(model) - sum(tables.values())  # a GPT: all parameters but the position embeddings
     return 6 * N + 12 * L * H * (C // H) * seq_len
 
 # %% ../nbs/01a_gpt.ipynb #1a355986

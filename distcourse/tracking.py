@@ -4,8 +4,8 @@
 
 # %% auto #0
 __all__ = ['TRACKERS', 'DATASHEET_FLOPS', 'tracker_available', 'resolve_tracker', 'flat_config', 'start_tracking',
-           'tracker_values', 'log_metrics', 'resource_stats', 'rank_stats', 'peak_flops', 'read_metrics', 'plot_run',
-           'main', 'Meter']
+           'tracker_values', 'log_metrics', 'resource_stats', 'rank_stats', 'datasheet_gpu', 'peak_flops',
+           'read_metrics', 'plot_run', 'main', 'Meter']
 
 # %% ../nbs/08_tracking.ipynb #e292891d
 import argparse
@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -100,13 +101,28 @@ def rank_stats(accelerator) -> dict:
     return out
 
 # %% ../nbs/08_tracking.ipynb #a7c3e9d1
-DATASHEET_FLOPS = {  # dense peaks (FLOP/s) of SXM GPUs: bf16/fp16 tensor cores, and fp32 without TF32
-    "H200": {"bf16": 989e12, "fp16": 989e12, "no": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "no": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "no": 19.5e12}}
+DATASHEET_FLOPS = {  # dense (not 2:4 sparse) peak FLOP/s from NVIDIA's datasheets: bf16/fp16 on tensor cores,
+    "H100 SXM": {"bf16": 989.4e12, "fp16": 989.4e12, "no": 66.9e12},  # and "no" mixed precision: fp32 without TF32
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "no": 51.2e12},
+    "H100 NVL": {"bf16": 835.5e12, "fp16": 835.5e12, "no": 60e12},
+    "H200 SXM": {"bf16": 989.4e12, "fp16": 989.4e12, "no": 66.9e12},
+    "H200 NVL": {"bf16": 835.5e12, "fp16": 835.5e12, "no": 60e12},
+    **{f"A100 {form} {mem}": {"bf16": 312e12, "fp16": 312e12, "no": 19.5e12}  # 40 and 80 GB, SXM4 and PCIe alike
+       for form in ("SXM4", "PCIe") for mem in ("40GB", "80GB")}}
+
+_CARDS = (  # (pattern in torch.cuda.get_device_name, DATASHEET_FLOPS key): the first match wins
+    (r"\bMIG\b", None),  # a MIG slice holds part of the chip: its peak is not the card's
+    (r"H100.*NVL", "H100 NVL"), (r"H100.*PCIe", "H100 PCIe"), (r"H100", "H100 SXM"),  # "H100 80GB HBM3": SXM5
+    (r"H200.*NVL", "H200 NVL"), (r"(?<!G)H200", "H200 SXM"),  # a GH200 superchip is not listed
+    (r"A100.*(PCIe.*80GB|80GB.*PCIe)", "A100 PCIe 80GB"), (r"A100.*PCIe", "A100 PCIe 40GB"),
+    (r"A100.*80GB", "A100 SXM4 80GB"), (r"A100", "A100 SXM4 40GB"))
+
+def datasheet_gpu(name) -> str | None:  # a device name, e.g. "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-80GB"
+    "The `DATASHEET_FLOPS` card that `name` (`torch.cuda.get_device_name`) is; None for a device not listed."
+    return next((card for pattern, card in _CARDS if re.search(pattern, name, re.IGNORECASE)), None)
 
 def peak_flops(accelerator, n=1024, tries=10) -> dict:
-    "This process's peak: the best `torch.mm` rate in the run's precision; on known GPUs, the datasheet's."
+    "This process's peak: the datasheet's for a listed GPU, and the best `torch.mm` rate in the run's precision."
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     a, cuda = torch.ones(n, n, dtype=dtype, device=accelerator.device), accelerator.device.type == "cuda"
     best = float("inf")
@@ -116,10 +132,12 @@ def peak_flops(accelerator, n=1024, tries=10) -> dict:
         torch.mm(a, a)
         if cuda: torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    measured = 2 * n ** 3 / best
-    name = torch.cuda.get_device_name(accelerator.device) if cuda else ""
-    sheet = next((v[accelerator.mixed_precision] for k, v in DATASHEET_FLOPS.items() if k in name), None)
-    return {"measured": measured, "datasheet": sheet, "used": "datasheet" if sheet else "measured",
+    card = datasheet_gpu(torch.cuda.get_device_name(accelerator.device)) if cuda else None
+    sheet = DATASHEET_FLOPS[card].get(accelerator.mixed_precision) if card else None
+    if accelerator.mixed_precision == "no" and torch.get_float32_matmul_precision() != "highest":
+        sheet = None  # fp32 matmuls on TF32 tensor cores: the fp32 figure is not their peak
+    return {"measured": 2 * n ** 3 / best, "datasheet": sheet, "card": card,
+            "used": "datasheet" if sheet else "measured",
             "what": f"torch.mm {n}x{n} {dtype} on {accelerator.device}, {torch.get_num_threads()} thread(s)"}
 
 # %% ../nbs/08_tracking.ipynb #da9d9a9e
@@ -207,12 +225,20 @@ def main(argv=None):
 if __name__ == "__main__" and "__file__" in globals(): main()  # `python -m`, not a notebook
 
 # %% ../nbs/08_tracking.ipynb #7b48004a
+_WHAT = {"mfu": "model FLOPs/s (PaLM: 6N + 12·L·H·Q·T per processed token) over the GPUs' datasheet peak",
+         "mm_utilisation": "model FLOPs/s over the measured torch.mm rate of these processes, not over a datasheet "
+                           "peak (none known for this device): not MFU"}
+
 class Meter:
-    "Each train record's tokens/s, MFU, every rank's memory; run.json's `utilisation`: both paths' numbers."
-    def __init__(self, acc, model, seq_len):  # model: the whole model (under tp, pp: all ranks' pieces)
-        self.acc, self.peak, self.window, self.busy = acc, peak_flops(acc), 0, 0.0
-        try: self.fpt = flops_per_token(model, seq_len)  # the model lesson's training FLOPs per token
+    "Each train record's tokens/s, MFU (`mm_utilisation` without a datasheet peak), every rank's memory; run.json's."
+    def __init__(self, acc, model, seq_len,  # model: the whole model (under tp, pp: all ranks' pieces)
+                 global_batches=False):  # True: every rank draws the global batch (the mesh's loader), not its rows
+        self.acc, self.peak, self.global_batches, self.busy, self.total = acc, peak_flops(acc), global_batches, 0.0, 0
+        self.key = "mfu" if self.peak["datasheet"] else "mm_utilisation"  # a measured matmul rate is no datasheet peak
+        self.seen = torch.zeros(2, dtype=torch.long, device=acc.device)  # Σℓ and Σℓ² of the sequences drawn
+        try: self.fpt, self.dense = flops_per_token(model, seq_len), flops_per_token(model, 0)  # lesson 01a's; 6N
         except ValueError: self.fpt = None  # a model that does not say its sizes: no MFU
+        self.attn = (self.fpt - self.dense) / seq_len if self.fpt else None  # 12·L·H·Q FLOPs per token of context
         self.all_peak = self._all_peak()
 
     def _all_peak(self) -> float:
@@ -220,28 +246,45 @@ class Meter:
         mine = torch.tensor(self.peak["datasheet"] or self.peak["measured"], device=self.acc.device)
         return self.acc.reduce(mine, "sum").item()
 
-    def timed(self, steps):  # (step, result) pairs; result["tokens"]: the tokens of the global batch
-        "`steps`, counting their tokens and seconds; the loop's body (logs, evaluation, saves) is not timed."
+    def flops(self, tokens, squares) -> float:  # Σℓ and Σℓ² over sequences of ℓ processed tokens
+        "PaLM's training FLOPs of those sequences: each token 6N + 12·L·H·Q·ℓ, with ℓ its sequence's length."
+        return self.dense * tokens + self.attn * squares
+
+    def counted(self, batches):  # this rank's micro-batches, as the steps draw them
+        "`batches`, counting the tokens each forward processes: its non-padding inputs (clm, mlm, cls alike)."
+        for batch in batches:
+            ids, mask = batch["input_ids"], batch.get("attention_mask")  # clm blocks: no padding, no mask
+            lens = mask.sum(1) if mask is not None else torch.full(ids.shape[:1], ids.size(1), device=ids.device)
+            self.seen += torch.stack([lens.sum(), (lens * lens).sum()]).to(self.seen.device)  # no wait for the GPU
+            yield batch
+
+    def timed(self, steps):  # (step, result) pairs whose batches come through `counted`
+        "`steps`, counting their seconds; the loop's body (logs, evaluation, saves) is not timed."
         t0 = time.perf_counter()
         for step, res in steps:
-            self.window, self.busy = self.window + res["tokens"], self.busy + time.perf_counter() - t0
+            self.busy += time.perf_counter() - t0
             yield step, res
             t0 = time.perf_counter()
 
     def stats(self) -> dict:
-        "tokens_per_s and mfu since the last record, every rank's memory (`rank_stats`: every rank calls it)."
-        tps, self.window, self.busy = self.window / max(self.busy, 1e-9), 0, 0.0
+        "tokens_per_s and mfu (or mm_utilisation) since the last record, every rank's memory (every rank calls it)."
+        seen = self.seen.clone() if self.global_batches else self.acc.reduce(self.seen.clone(), "sum")  # all ranks
+        (tokens, squares), busy, self.busy = seen.tolist(), max(self.busy, 1e-9), 0.0
+        self.seen.zero_()
+        self.total += tokens
         if not self.peak["datasheet"]:  # measured on shared hardware: the best rate seen so far is the peak
             self.peak["measured"] = max(self.peak["measured"], peak_flops(self.acc, tries=3)["measured"])
         self.all_peak = self._all_peak()
-        mfu = {"mfu": self.fpt * tps / self.all_peak} if self.fpt else {}  # model FLOP/s ÷ all ranks' peak
-        return {"tokens_per_s": tps, **mfu, **rank_stats(self.acc)}
+        util = {self.key: self.flops(tokens, squares) / busy / self.all_peak} if self.fpt else {}
+        return {"tokens_per_s": tokens / busy, **util, **rank_stats(self.acc)}
 
     def summary(self, run, memory) -> dict:
         "run.json's `utilisation`; the largest and smallest memory of any rank, added to `memory`."
         recs = [r for r in run.records() if "split" not in r]  # the main process's view; [] elsewhere
         memory["rss_mb_max_all_ranks"] = max((r["rss_mb_max"] for r in recs), default=None)
         memory["rss_mb_min_all_ranks"] = min((r["rss_mb_min"] for r in recs), default=None)
-        return {"mfu_median": statistics.median(r["mfu"] for r in recs) if recs and self.fpt else None,
-                "flops_per_token": self.fpt, "peak_flops_all_ranks": self.all_peak, "peak_per_rank": self.peak}
-
+        values = [r[self.key] for r in recs if self.key in r]
+        return {"metric": self.key, "what": _WHAT[self.key],
+                f"{self.key}_median": statistics.median(values) if values else None,
+                "flops_per_token": self.fpt, "tokens_processed": self.total,
+                "peak_flops_all_ranks": self.all_peak, "peak_per_rank": self.peak}

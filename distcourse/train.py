@@ -165,8 +165,8 @@ def train(config=None, **overrides) -> dict:
     run = Run(acc, cfg, start)
     start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, model, val_dl, cfg, resumed)
-    steps = train_steps(acc, model, opt, sched, stream, cfg.task, cfg.max_steps, start, cfg.grad_accum,
-                        cfg.max_grad_norm, loss_fn, _grads_saver(acc, cfg))
+    steps = train_steps(acc, model, opt, sched, meter.counted(stream), cfg.task, cfg.max_steps, start,
+                        cfg.grad_accum, cfg.max_grad_norm, loss_fn, _grads_saver(acc, cfg))
     after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
                   lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
     memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
@@ -182,7 +182,7 @@ def _train_mesh(cfg) -> dict:
     set_seed(cfg.seed)
     tok, train_dl, val_dl, hf = _setup(cfg, acc)
     mesh = Mesh(hf, cfg, acc.autocast, acc.device)  # its piece and batches on this process's device
-    meter = Meter(acc, hf, cfg.seq_len)  # MFU: the whole model's FLOPs
+    meter = Meter(acc, hf, cfg.seq_len, global_batches=True)  # MFU: the whole model's FLOPs, the global batch
     acc.register_for_checkpointing(MeshState(mesh))  # each rank's piece, saved with dcp (the resharding lesson)
     val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
     memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece
@@ -191,7 +191,7 @@ def _train_mesh(cfg) -> dict:
     run = Run(acc, cfg, start)
     start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
-    steps = mesh.train_steps(stream, cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
+    steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
                              _grads_saver(acc, cfg))
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,

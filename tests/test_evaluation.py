@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from conftest import ACCELERATE, free_port, run_cli
+from distcourse.checkpoint import DataStream
+from distcourse.data import get_tokenizer
 from distcourse.evaluation import F1, Accuracy, Perplexity, confusion_matrix, eval_worker
 from distcourse.launch import launch
+from distcourse.loaders import get_dataloaders
 from distcourse.loop import summarize
 
 BATCH = 8  # per process; the validation sets below (cls 20, clm 54 examples) are not multiples of 2 × 8
@@ -104,3 +107,9 @@ def test_trainer_two_processes_counts_every_example_once(tmp_path):
     evals = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("split") == "val"]
     assert [r["step"] for r in evals] == [0, 2, 4]
     assert all(r["samples"] == run["val_size"] and "macro_f1" in r for r in evals)
+    # MFU's tokens: every non-padding input token of both ranks' batches (4 steps of 2 x 8 examples), not 1 per example
+    train_dl, _ = get_dataloaders("cls", get_tokenizer("stdlib"), 32, 2 * BATCH, seed=run["config"]["seed"],
+                                  max_examples=400)
+    stream = DataStream(train_dl, run["config"]["seed"])  # one process, the global batch: the run's order
+    want = sum(int(next(stream)["attention_mask"].sum()) for _ in range(4))
+    assert run["utilisation"]["tokens_processed"] == want > 4 * 2 * BATCH, (run["utilisation"], want)

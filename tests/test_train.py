@@ -40,14 +40,15 @@ def test_outputs(runs):
     assert run["memory"]["activation_bytes"] > 0 and run["memory"]["grads_bytes"] > 0
     assert [r["optimizer_bytes"] for r in run["memory"]["per_rank"]] == [run["memory"]["optimizer_bytes"]]
     u = run["utilisation"]
-    assert 0 < u["mfu_median"] <= 1  # against a measured matmul rate on CPU, named as such
+    assert 0 < u["mm_utilisation_median"] <= 1 and u["metric"] == "mm_utilisation"  # a measured matmul rate, not MFU
+    assert u["tokens_processed"] == 12 * 8 * 64  # every input token of 12 steps of 8 blocks (the loss has 8 × 63)
     assert u["peak_per_rank"]["used"] == "measured" and "torch.mm" in u["peak_per_rank"]["what"]
     recs = records(out)
     train = [r for r in recs if "split" not in r]
     assert [r["step"] for r in train] == list(range(1, 13))
-    assert all(set(r) >= {"step", "loss", "lr", "tokens", "tokens_per_s", "mfu", "rss_mb", "rss_mb_max", "rss_mb_min"}
-               for r in train)
-    assert all(0 < r["mfu"] <= 1 and r["rss_mb_min"] <= r["rss_mb"] <= r["rss_mb_max"] for r in train)
+    assert all(set(r) >= {"step", "loss", "lr", "tokens", "tokens_per_s", "mm_utilisation", "rss_mb", "rss_mb_max",
+                          "rss_mb_min"} and "mfu" not in r for r in train)
+    assert all(0 < r["mm_utilisation"] <= 1 and r["rss_mb_min"] <= r["rss_mb"] <= r["rss_mb_max"] for r in train)
     evals = [r for r in recs if r.get("split") == "val"]
     assert [r["step"] for r in evals] == [0, 6, 12]
     assert all(r["samples"] == run["val_size"] and "perplexity" in r for r in evals)
@@ -64,6 +65,7 @@ def test_two_processes_are_real_and_equal(runs):
     (o1, _), (o2, p2) = runs["one"], runs["two"]
     run2 = json.loads((o2 / "run.json").read_text())
     assert run2["world_size"] == 2 and run2["distributed_type"] == "MULTI_CPU"
+    assert run2["utilisation"]["tokens_processed"] == 12 * 8 * 64  # both ranks' tokens, summed
     train2 = [r for r in records(o2) if "split" not in r]  # every rank's memory, not rank 0's alone
     assert all(r["rss_mb_min"] <= r["rss_mb_max"] for r in train2) and run2["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "cp": 1}
     assert run2["memory"]["rss_mb_max_all_ranks"] >= run2["memory"]["rss_mb_min_all_ranks"] > 0
