@@ -270,7 +270,7 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                 zero1="flat",   # stage 1: "flat" (FlatZeroOptimizer) or "torch" (ZeroRedundancyOptimizer)
                 zero2="fsdp",   # stage 2: "fsdp" (FSDP2), "flat" (FlatZero2Optimizer) or "after"
                 peak=False,     # measure the second step's peak bytes per category (PeakMemory)
-                sync_each=False):  # FSDP2: reduce-scatter after every micro-batch, not the last only
+                sync_each=False):  # FSDP2: reduce-scatter after every micro-batch
     "Worker: each stage from the same weights on the same batches; rank 0 writes memory, traffic, losses, weights."
     acc = make_accelerator(mixed_precision=mixed_precision)
     base, train_dl, _ = setup("clm", batch_size, seq_len=seq_len, max_examples=max_examples, model=model)
@@ -278,7 +278,7 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
     for stage in stages:
         net, opt = prepare_zero(acc, copy.deepcopy(base), stage, lr, zero1=ZERO1[zero1], zero2=ZERO2[zero2])
         if stage < 2: net.register_comm_hook(None, allreduce_hook)  # DDP's all-reduce, through Python: countable
-        if sync_each and stage >= 2 and zero2 == "fsdp":  # train_step's set_requires_gradient_sync(False) ignored
+        if sync_each and stage >= 2 and zero2 == "fsdp":  # train_step's no-sync call ignored
             net.set_requires_gradient_sync = lambda requires_gradient_sync, **kw: None
         sched, mem, comm, hist = make_scheduler(opt, 1, steps), track_memory(net, opt), {}, []
         batches, first = epochs(train_dl), {}
@@ -291,8 +291,9 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                 hist.append(train_step(acc, net, opt, sched, [next(batches) for _ in range(grad_accum)], "clm",
                                        max_grad_norm, on_grads=keep_grads if i == 0 else None))
             if pm: mem["peak"] = pm.peaks[str(next(net.parameters()).device)]
-        if stage < 2:  # DDP's reducer buckets, allocated in C++ before any tracker: counted from its log
-            mem["ddp_bucket_bytes"] = sum(map(int, str(net._get_ddp_logging_data()["bucket_sizes"]).split(",")))
+        log = getattr(net, "_get_ddp_logging_data", None)  # DDP's, at stages 0-1
+        if peak and log:  # its reducer's buckets, allocated in C++ before any tracker: counted
+            mem["ddp_bucket_bytes"] = sum(map(int, str(log()["bucket_sizes"]).split(",")))
         if acc.is_main_process: torch.save(first, Path(out_dir, f"grads_stage{stage}.pt"))
         mem["grads_bytes"] += sum(tensor_bytes(g) for g in getattr(opt, "grad_slices", ()))  # ZeRO-2 by hand
         weights, mems = full_state_dict(acc.unwrap_model(net)), [None] * acc.num_processes
@@ -307,13 +308,14 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
 # %% ../nbs/05a_zero.ipynb #ddc91d51
 def zero_peak_bytes(model,             # the unsharded fp32 model, as built
                     world_size,        # N
-                    stage,             # 0 DDP, 1 FlatZeroOptimizer on DDP, 2 and 3 FSDP2 (`shard_model`)
+                    stage,             # 0 DDP, 1 FlatZeroOptimizer + DDP, 2-3 FSDP2 (shard_model)
                     grad_accum=1,      # micro-batches per optimizer step
                     sync_each=False):  # FSDP2 reduce-scatters after every micro-batch
-    "Peak PARAM, GRAD and OPT bytes of the fullest rank in a step (AdamW), each as {named term: bytes}."
+    "Peak PARAM, GRAD and OPT bytes of the fullest rank in a step, each {named term: bytes}."
     N, n, ps = world_size, num_params(model), list(model.parameters())
     def numel(ts): return sum(t.numel() for t in ts)
-    def shard(ts): return sum(-(-t.shape[0] // N) * (t.numel() // t.shape[0]) for t in ts)  # FSDP2: dim 0
+    def shard(ts):  # FSDP2 cuts dim 0 into N, padded: the fullest rank's numbers
+        return sum(-(-t.shape[0] // N) * (t.numel() // t.shape[0]) for t in ts)
     names = set(getattr(model, "_no_split_modules", None) or ())  # shard_model's units
     blocks = [list(m.parameters()) for m in model.modules() if type(m).__name__ in names]
     inner = [p for b in blocks for p in b]
@@ -330,14 +332,17 @@ def zero_peak_bytes(model,             # the unsharded fp32 model, as built
         grads = {"blocks' shards": 4 * shard(inner), "root's gradient, whole": 4 * numel(root)}
         if acc and sync_each: grads["root's shard, from earlier micro-batches"] = 4 * shard(root)
         if acc and not sync_each: grads |= nxt
-        start = {"whole gradients, kept across micro-batches": 4 * n, "a block's next gradient": 4 * block}
+        start = {"whole gradients, kept across micro-batches": 4 * n,
+                 "a block's next gradient": 4 * block}
         if acc and not sync_each and sum(start.values()) > sum(grads.values()): grads = start
     if stage == 1:  # a flat buffer per make_optimizer group, k numbers of it per rank
         ks = [-(-numel(g["params"]) // N) for g in make_optimizer(model, 1e-3).param_groups]
-        opt |= {"flat buffers' padding": 8 * sum(ks) - base["optimizer"], "step counters": 4 * len(ks),
+        opt |= {"flat buffers' padding": 8 * sum(ks) - base["optimizer"],
+                "step counters": 4 * len(ks),
                 "fp32 slice": 4 * sum(ks), "gradient slice": 4 * sum(ks),
                 "2 AdamW temporaries, largest slice": 8 * max(ks)}
     else:
         opt |= {"step counters": 4 * len(ps),
-                "2 AdamW temporaries, largest tensor": 8 * (shard([big]) if stage >= 2 else big.numel())}
+                "2 AdamW temporaries, largest tensor":
+                    8 * (shard([big]) if stage >= 2 else big.numel())}
     return {"PARAM": params, "GRAD": grads, "OPT": opt}
