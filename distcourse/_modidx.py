@@ -649,4 +649,5 @@ d = { 'settings': { 'branch': 'main',
                                  'distcourse.zero.prepare_zero': ('zero.html#prepare_zero', 'distcourse/zero.py'),
                                  'distcourse.zero.shard_model': ('zero.html#shard_model', 'distcourse/zero.py'),
                                  'distcourse.zero.torch_zero1': ('zero.html#torch_zero1', 'distcourse/zero.py'),
+                                 'distcourse.zero.zero_peak_bytes': ('zero.html#zero_peak_bytes', 'distcourse/zero.py'),
                                  'distcourse.zero.zero_worker': ('zero.html#zero_worker', 'distcourse/zero.py')}}}

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ZERO1', 'ZERO2', 'FlatZeroOptimizer', 'torch_zero1', 'buckets', 'FlatZero2Optimizer', 'check_stage', 'shard_model',
-           'prepare_zero', 'full_state_dict', 'zero_worker']
+           'prepare_zero', 'full_state_dict', 'zero_worker', 'zero_peak_bytes']
 
 # %% ../nbs/05a_zero.ipynb #eef28cf2
 import copy
@@ -27,7 +27,7 @@ from .comm import count_collectives, tensor_bytes
 from .ddp import full_grads, train_step
 from .launch import make_accelerator
 from .loop import epochs, make_optimizer, make_scheduler, setup
-from .memory import STAGES, PeakMemory, track_memory
+from .memory import STAGES, PeakMemory, track_memory, zero_bytes
 from .model import num_params
 
 # %% ../nbs/05a_zero.ipynb #101f6b30
@@ -269,7 +269,8 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                 max_examples=400, max_grad_norm=1.0, grad_accum=1, mixed_precision="no",
                 zero1="flat",   # stage 1: "flat" (FlatZeroOptimizer) or "torch" (ZeroRedundancyOptimizer)
                 zero2="fsdp",   # stage 2: "fsdp" (FSDP2), "flat" (FlatZero2Optimizer) or "after"
-                peak=False):    # measure the second step's peak bytes per category (PeakMemory)
+                peak=False,     # measure the second step's peak bytes per category (PeakMemory)
+                sync_each=False):  # FSDP2: reduce-scatter after every micro-batch
     "Worker: each stage from the same weights on the same batches; rank 0 writes memory, traffic, losses, weights."
     acc = make_accelerator(mixed_precision=mixed_precision)
     base, train_dl, _ = setup("clm", batch_size, seq_len=seq_len, max_examples=max_examples, model=model)
@@ -277,6 +278,8 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
     for stage in stages:
         net, opt = prepare_zero(acc, copy.deepcopy(base), stage, lr, zero1=ZERO1[zero1], zero2=ZERO2[zero2])
         if stage < 2: net.register_comm_hook(None, allreduce_hook)  # DDP's all-reduce, through Python: countable
+        if sync_each and stage >= 2 and zero2 == "fsdp":  # train_step's no-sync call ignored
+            net.set_requires_gradient_sync = lambda requires_gradient_sync, **kw: None
         sched, mem, comm, hist = make_scheduler(opt, 1, steps), track_memory(net, opt), {}, []
         batches, first = epochs(train_dl), {}
         def keep_grads(model):  # step 1's whole gradients, reduced, before clipping (a collective)
@@ -288,6 +291,9 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                 hist.append(train_step(acc, net, opt, sched, [next(batches) for _ in range(grad_accum)], "clm",
                                        max_grad_norm, on_grads=keep_grads if i == 0 else None))
             if pm: mem["peak"] = pm.peaks[str(next(net.parameters()).device)]
+        log = getattr(net, "_get_ddp_logging_data", None)  # DDP's, at stages 0-1
+        if peak and log:  # its reducer's buckets, allocated in C++ before any tracker: counted
+            mem["ddp_bucket_bytes"] = sum(map(int, str(log()["bucket_sizes"]).split(",")))
         if acc.is_main_process: torch.save(first, Path(out_dir, f"grads_stage{stage}.pt"))
         mem["grads_bytes"] += sum(tensor_bytes(g) for g in getattr(opt, "grad_slices", ()))  # ZeRO-2 by hand
         weights, mems = full_state_dict(acc.unwrap_model(net)), [None] * acc.num_processes
@@ -298,3 +304,45 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                       "weight_diff": max((weights[k] - ref[k]).abs().max().item() for k in ref)}
     if acc.is_main_process: Path(out_dir, "zero.json").write_text(json.dumps(res))
     dist.barrier()  # rank 0 has written before any process exits
+
+# %% ../nbs/05a_zero.ipynb #ddc91d51
+def zero_peak_bytes(model,             # the unsharded fp32 model, as built
+                    world_size,        # N
+                    stage,             # 0 DDP, 1 FlatZeroOptimizer + DDP, 2-3 FSDP2 (shard_model)
+                    grad_accum=1,      # micro-batches per optimizer step
+                    sync_each=False):  # FSDP2 reduce-scatters after every micro-batch
+    "Peak PARAM, GRAD and OPT bytes of the fullest rank in a step, each {named term: bytes}."
+    N, n, ps = world_size, num_params(model), list(model.parameters())
+    def numel(ts): return sum(t.numel() for t in ts)
+    def shard(ts):  # FSDP2 cuts dim 0 into N, padded: the fullest rank's numbers
+        return sum(-(-t.shape[0] // N) * (t.numel() // t.shape[0]) for t in ts)
+    names = set(getattr(model, "_no_split_modules", None) or ())  # shard_model's units
+    blocks = [list(m.parameters()) for m in model.modules() if type(m).__name__ in names]
+    inner = [p for b in blocks for p in b]
+    root = [p for p in ps if all(p is not q for q in inner)]  # embeddings, tied head, final norm
+    big, block = max(ps, key=torch.numel), max(map(numel, blocks))
+    base, acc = zero_bytes(n, N, stage), grad_accum > 1
+    params, grads = {"zero_bytes": base["params"]}, {"zero_bytes": base["grads"]}
+    opt = {"zero_bytes": base["optimizer"]}
+    if stage == 2: params["the shard, kept while its unit is gathered"] = 4 * shard(ps)
+    if stage == 3: params |= {"root unit gathered": 4 * numel(root), "a block gathered": 4 * block}
+    nxt = {"the largest tensor's next gradient, before it is added": 4 * big.numel()}
+    if stage < 2 and acc: grads |= nxt
+    if stage >= 2:  # the root's gradient is complete last, when every block is reduced
+        grads = {"blocks' shards": 4 * shard(inner), "root's gradient, whole": 4 * numel(root)}
+        if acc and sync_each: grads["root's shard, from earlier micro-batches"] = 4 * shard(root)
+        if acc and not sync_each: grads |= nxt
+        start = {"whole gradients, kept across micro-batches": 4 * n,
+                 "a block's next gradient": 4 * block}
+        if acc and not sync_each and sum(start.values()) > sum(grads.values()): grads = start
+    if stage == 1:  # a flat buffer per make_optimizer group, k numbers of it per rank
+        ks = [-(-numel(g["params"]) // N) for g in make_optimizer(model, 1e-3).param_groups]
+        opt |= {"flat buffers' padding": 8 * sum(ks) - base["optimizer"],
+                "step counters": 4 * len(ks),
+                "fp32 slice": 4 * sum(ks), "gradient slice": 4 * sum(ks),
+                "2 AdamW temporaries, largest slice": 8 * max(ks)}
+    else:
+        opt |= {"step counters": 4 * len(ps),
+                "2 AdamW temporaries, largest tensor":
+                    8 * (shard([big]) if stage >= 2 else big.numel())}
+    return {"PARAM": params, "GRAD": grads, "OPT": opt}

@@ -15,7 +15,7 @@ from distcourse.comm import ring_bytes_sent
 from distcourse.loop import make_optimizer
 from distcourse.memory import STAGES, zero_bytes
 from distcourse.model import build_model
-from distcourse.zero import buckets, prepare_zero
+from distcourse.zero import buckets, prepare_zero, zero_peak_bytes
 
 LOSS_TOL = 1e-4  # |Δloss| vs DDP; measured 0 over 8 steps (2e-6 with torch's clip_grad_norm_)
 # The gradients themselves (AdamW and clipping hide a constant factor on them): the pre-clip norm
@@ -87,7 +87,7 @@ def test_prepare_zero_refuses(kind, n, precision, stage, message):
 def measured(tmp_path_factory):
     "Stages 0-3 on the tiny preset, 8 steps, 2 processes (gloo); step 1's gradients saved."
     out = tmp_path_factory.mktemp("zero")
-    return {**launch_worker(out, steps=8), "out": out}
+    return {**launch_worker(out, steps=8, peak=True), "out": out}
 
 
 def test_memory_matches_prediction(measured):
@@ -108,6 +108,19 @@ def test_memory_matches_prediction(measured):
         assert close(m["forward_params_bytes"], full["params"] / 2, 0.1)
     for m in measured[2]["memory"]:  # ZeRO-2's peak: parameters whole from forward to backward
         assert close(m["forward_params_bytes"], full["params"], 0.01)
+
+
+def test_peaks_match_zero_peak_bytes(measured):
+    "Step 2's peak PARAM, GRAD and OPT bytes (PeakMemory) equal zero_peak_bytes' named terms, on every rank."
+    model = build_model("tiny", "clm", vocab_size=8192)  # the worker's model
+    assert sum(p.numel() for p in model.parameters()) == measured["n_params"]
+    for stage in STAGES:
+        want = {k: sum(t.values()) for k, t in zero_peak_bytes(model, 2, stage).items()}
+        for m in measured[stage]["memory"]:
+            assert {k: m["peak"][k] for k in want} == want, (stage, m["peak"], want)
+    assert want["PARAM"] > zero_bytes(measured["n_params"], 2, 3)["params"]  # stage 3: the root stays gathered
+    for stage in (0, 1):  # DDP's reducer buckets, counted: a second copy of every gradient
+        assert measured[stage]["memory"][0]["ddp_bucket_bytes"] == 4 * measured["n_params"]
 
 
 def test_stage1_splits_the_flat_buffer_evenly(measured):
