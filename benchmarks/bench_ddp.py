@@ -10,7 +10,8 @@ Every run lives at once and they take turns, one optimizer step each, told when 
 `ddp_turns` (the parent); whoever waits, waits blocked. So all see the same neighbours' load, as the contenders of
 one process do. The 2-process run is `torchrun --nproc_per_node 2` on a free port; the others are plain `python`.
 
-    python benchmarks/bench_ddp.py --port P --name 2x1 --threads 1 --batch 4 --bench '{...}'   # started by ddp_turns
+    python benchmarks/bench_ddp.py --port P --names 1x1,1x1_half_batch --threads 1 --batches 8,4 --pin --bench '{...}'
+    # a worker (one process, two batches), started by ddp_turns
 """
 import argparse
 import json
