@@ -47,7 +47,7 @@ import render  # noqa: E402  (the targets and the tables)
 from render import MAIN_JOB_SHAPE, table, targets  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-# mode -> (what the contenders train, what the 1- vs 2-process runs train, data options, matmul size)
+# mode -> (what the contenders train, what the 1- vs 2-process runs train (global batch), data options, matmul size)
 MODES = {
     "smoke": (Bench("tiny", 4, 32, warmup=1, steps=3), Bench("tiny", 4, 32, warmup=1, steps=2),
               dict(max_docs=300, repeats=1), 512),
@@ -195,7 +195,8 @@ def main(argv=None):
     res["data_tokens_per_s"] = res["data"]["data_tokens_per_s"]
     sections["data"], t = time.time() - t, time.time()
     res["ddp"] = None if args.no_ddp else bench_ddp.summarize(bench_ddp.ddp_turns(b_ddp, cores()), b_ddp, cores())
-    res["ddp2_efficiency"] = res["ddp"]["ddp2_efficiency"] if res["ddp"] else None
+    for k in ("processes_vs_threads", "weak_scaling", "strong_scaling"):  # scaling: with a core per process
+        res[k] = res["ddp"][k] if res["ddp"] else None
     sections["ddp"], t = time.time() - t, time.time()
     if not args.no_comm:  # the collectives lesson's measurement: latency and bus bandwidth by message size
         worlds, max_mib = ((2,), 1) if mode == "smoke" else ((2, 4), 4 if mode == "quick" else 16)

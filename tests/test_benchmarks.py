@@ -5,6 +5,7 @@ import importlib.util
 import json
 import math
 import shutil
+import statistics
 
 import pytest
 
@@ -14,6 +15,9 @@ from distcourse.comm import TIMED
 _spec = importlib.util.spec_from_file_location("render", ROOT / "benchmarks" / "render.py")
 render = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(render)
+_spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmarks" / "scaling.py")
+scaling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(scaling)
 RESULTS = json.loads((ROOT / "benchmarks" / "results.json").read_text())
 GENERATED = ("README.md", "benchmarks/RESULTS.md", "benchmarks/results.md")
 
@@ -35,7 +39,7 @@ def smoke(tmp_path_factory):
 
 def test_results_have_every_field(smoke):
     res = smoke[0]
-    for k in ("loop_vs_torch", "loop_vs_hf_trainer", "ddp2_efficiency", "data_tokens_per_s", "mm_utilisation",
+    for k in ("loop_vs_torch", "loop_vs_hf_trainer", "processes_vs_threads", "data_tokens_per_s", "mm_utilisation",
               "peak_flops"):
         assert number(res[k]) and res[k] > 0, k
     assert res["mm_utilisation"] == res["mm_utilisation_by_contender"]["distcourse"]
@@ -69,14 +73,58 @@ def test_padding_and_data_fields(smoke):
 
 
 def test_two_processes_were_one_gloo_group(smoke):
-    ddp = smoke[0]["ddp"]
-    assert ddp["distributed_type"] == {"1": "NO", "2": "MULTI_CPU"}  # not two lone copies
-    assert ddp["ddp2_efficiency"] == smoke[0]["ddp2_efficiency"] and len(ddp["step_s"]["2"]) == ddp["bench"]["steps"]
+    ddp, cores = smoke[0]["ddp"], smoke[0]["threads"]["cores"]
+    assert ddp["distributed_type"]["2x1"] == "MULTI_CPU" and ddp["distributed_type"]["1x2"] == "NO"  # one group
+    assert ddp["processes_vs_threads"] == smoke[0]["processes_vs_threads"]
+    assert len(ddp["step_s"]["2x1"]) == ddp["bench"]["steps"] and f"the same {cores} cores" in ddp["compared"]
     assert number(ddp["allreduce_s"]) and ddp["allreduce_s"] > 0
     # lesson 03a's prediction of that all-reduce from the bus-bandwidth table, beside it; the table drawn
     assert ddp["allreduce_bytes"] > 0 and ddp["allreduce_bytes"] % 4 == 0  # every fp32 gradient
     assert number(ddp["allreduce_predicted_s"]) and ddp["allreduce_predicted_s"] > 0
     assert "predicted from this table" in smoke[1] and (smoke[2] / "comm.png").stat().st_size > 0
+
+
+def test_scaling_with_a_core_per_process(smoke):
+    "1 process on 1 core against 2 on a core each: weak and strong scaling are the formulas on the measured steps."
+    res, md = smoke[0], smoke[1]
+    if res["threads"]["cores"] < 2: pytest.skip("one core: no twice the hardware to scale to")
+    ddp, med = res["ddp"], {k: statistics.median(v) for k, v in res["ddp"]["step_s"].items()}
+    assert ddp["distributed_type"] == {"1x2": "NO", "2x1": "MULTI_CPU", "1x1": "NO", "1x1_half_batch": "NO"}
+    per_core = ddp["bench"]["batch_size"] // 2
+    # weak: the same batch per core, so each process's step is the 1-core step: T_1 / T_2 of those runs
+    assert math.isclose(res["weak_scaling"]["value"], med["1x1_half_batch"] / med["2x1"], rel_tol=1e-9)
+    assert math.isclose(res["strong_scaling"]["value"], med["1x1"] / (2 * med["2x1"]), rel_tol=1e-9)
+    assert f"batch {per_core} per core" in res["weak_scaling"]["what"]
+    assert f"global batch {2 * per_core}" in res["strong_scaling"]["what"]
+    assert all(f"`{k}` (" in md for k in ("weak_scaling", "strong_scaling"))
+
+
+def run(devices, batch, tokens_per_s, seq_len=128, device="GPU"):
+    "A constructed run whose seconds per step follow from its tokens/s."
+    return scaling.Run(devices, batch, tokens_per_s, devices * batch * seq_len / tokens_per_s, device)
+
+
+def test_weak_and_strong_scaling_formulas():
+    "Weak: tokens/s_N ÷ (N × tokens/s_1) at a fixed batch per device; strong: T_1 ÷ (N × T_N) at a fixed global batch."
+    one = run(1, 4, 1000.0)
+    assert math.isclose(scaling.weak_scaling_efficiency(one, run(2, 4, 1800.0))["value"], 0.9)
+    assert math.isclose(scaling.weak_scaling_efficiency(one, run(4, 4, 3200.0))["value"], 0.8)  # N, not 2
+    # strong: 16 sequences in all; 1 GPU takes 2.048 s a step, 4 GPUs (4 each) 0.64 s: 2.048 / (4 x 0.64) = 0.8
+    whole, four = run(1, 16, 1000.0), run(4, 4, 3200.0)
+    assert (whole.step_s, four.step_s) == (2.048, 0.64)
+    strong = scaling.strong_scaling_efficiency(whole, four)
+    assert math.isclose(strong["value"], 0.8) and "global batch 16 (4 per GPU on 4)" in strong["what"]
+    # these numbers tell the formulas apart: T_1 / (2 T_2) of the weak runs is 0.512 s / (2 x 0.569 s) = 0.45
+    assert math.isclose(one.step_s / (2 * run(2, 4, 1800.0).step_s), 0.45)
+    # each refuses the other's setting, and a baseline that is not one device
+    with pytest.raises(ValueError, match="use strong_scaling_efficiency"):
+        scaling.weak_scaling_efficiency(whole, four)
+    with pytest.raises(ValueError, match="use weak_scaling_efficiency"):
+        scaling.strong_scaling_efficiency(one, run(2, 4, 1800.0))
+    with pytest.raises(ValueError, match="1-device run"):
+        scaling.weak_scaling_efficiency(run(2, 4, 1800.0), four)
+    with pytest.raises(ValueError, match="compare like devices"):
+        scaling.weak_scaling_efficiency(run(1, 4, 1000.0, device="core"), run(2, 4, 1800.0))
 
 
 def test_targets_and_markdown_table(smoke):
@@ -104,10 +152,11 @@ def test_parts_can_be_left_out_and_paths_added(tmp_path):
     assert res["main_job_vs_best_path"] == res["main_job"]["tokens_per_s"] / best
     assert number(res["defaults_vs_hf_trainer_defaults"]) and number(res["matched_vs_hf_trainer"])
     assert res["main_job"]["choices"]["compile"]["value"] is True and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
-    assert res["ddp"] is None and res["ddp2_efficiency"] is None and res["loop_vs_hf_trainer"] is None
+    assert res["ddp"] is None and res["processes_vs_threads"] is None and res["loop_vs_hf_trainer"] is None
+    assert res["weak_scaling"] is None and res["strong_scaling"] is None
     assert res["tp"] is None and "comm" not in res
-    assert res["targets"]["ddp2_efficiency"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}
-    assert "| `ddp2_efficiency` | — |" in (tmp_path / "results.md").read_text()
+    assert res["targets"]["processes_vs_threads"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}
+    assert "| `processes_vs_threads` | — |" in (tmp_path / "results.md").read_text()
 
 
 def test_bad_precision_says_what_to_pass(tmp_path):
@@ -132,7 +181,7 @@ def test_a_table_edited_by_hand_is_caught(tmp_path):
         shutil.copy(ROOT / name, tmp_path / name)
     assert render.stale(RESULTS, tmp_path) == []
     readme = tmp_path / "README.md"
-    shown = f"| {RESULTS['ddp2_efficiency']:.3f} |"
+    shown = f"| {RESULTS['processes_vs_threads']:.3f} |"
     readme.write_text(readme.read_text().replace(shown, "| 1.234 |"))
     assert render.stale(RESULTS, tmp_path) == [readme]
     shutil.copy(ROOT / "README.md", readme)
