@@ -52,25 +52,16 @@ def grads_by_hand(out_dir, task="clm", batch_size=8, **kw):
     dist.barrier(); dist.destroy_process_group()  # nobody leaves while another still talks
 
 # %% ../nbs/03_ddp.ipynb #c185f53c
-def grads_ddp(out_dir, task="clm", batch_size=8,
-              bucket_cap_mb=None,  # DDP's bucket size in MB (None: 25)
-              **kw):
-    "Worker: the same gradient with `DistributedDataParallel`; also writes how DDP bucketed the gradients."
+def grads_ddp(out_dir, task="clm", batch_size=8, **kw):
+    "Worker: the same gradient with `DistributedDataParallel`."
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, train_dl, _ = setup(task, batch_size, **kw)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)  # broadcasts rank 0's weights
-    batch = shard_batch(train_dl, rank, world)
-    for step in range(3):      # buckets are rebuilt in gradient-ready order after the first backward
-        s, n = loss_sum(ddp, batch, task)
-        dist.all_reduce(n)
-        (s * world / n).backward()  # DDP averages over ranks: × world ÷ all tokens = global mean
-        if step == 0: save_grads(model, Path(out_dir, f"ddp_rank{rank}.pt"))
-        ddp.zero_grad(set_to_none=True)
-    info = ddp._get_ddp_logging_data()  # DDP's own record (a debugging hook)
-    names = [k for k, _ in model.named_parameters()]
-    buckets = [[names[int(i)] for i in b.split()] for b in info["rebuilt_per_bucket_param_indices"].split(",")]
-    if rank == 0: Path(out_dir, "buckets.json").write_text(json.dumps(buckets))
+    ddp = DistributedDataParallel(model)  # broadcasts rank 0's weights
+    s, n = loss_sum(ddp, shard_batch(train_dl, rank, world), task)
+    dist.all_reduce(n)
+    (s * world / n).backward()  # DDP averages over ranks: × world ÷ all tokens = global mean
+    save_grads(model, Path(out_dir, f"ddp_rank{rank}.pt"))
     del ddp                    # free DDP's reducer while the group is alive (else exit can hang in gloo)
     dist.barrier(); dist.destroy_process_group()
 
