@@ -207,9 +207,11 @@ def _train_mesh(cfg) -> dict:
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
     steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
                              _grads_saver(acc, cfg))
+    steps = _peak_first_step(steps, mesh.model, mesh.opt, memory)  # this rank's piece, measured
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
                   lambda: evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task))
+    memory["per_rank"] = gather_object([dict(memory)])  # every rank's piece: stages differ
     return _finish(acc, cfg, run, mesh.hf, tok, before, after, len(val_dl.dataset), {"zero_stage": 0,
                    "parallel": mesh.parallel(), "memory": memory, "utilisation": meter.summary(run, memory),
                    "resumed_from": resumed, "choices": choices(cfg, acc, cfg.max_steps - start)})
