@@ -152,7 +152,7 @@ def _peak_first_step(steps, model, opt, memory):  # steps: (step, result) pairs;
         yield from steps
         return
     with pm: first = next(steps, None)
-    memory["peak_first_step"] = pm.peaks  # the first step only: the later ones hold the same state
+    memory["peak_first_step"] = pm.peaks  # the first step only: the tracker slows every step it watches
     if first is not None: yield first
     yield from steps
 
