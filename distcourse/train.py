@@ -143,9 +143,8 @@ def _grads_saver(acc, cfg):
         if acc.is_main_process: torch.save(grads, Path(cfg.output_dir, f"grads_step{step}.pt"))
     return save if cfg.grads_at else None
 
-def _peak_first_step(steps, model, opt, memory):  # steps: (step, result) pairs; model, opt: this rank's
+def _peak_first_step(steps, model, opt, memory):  # steps: a generator of (step, result); model, opt: this rank's
     "`steps`, the first inside `PeakMemory`: memory['peak_first_step'][device][category], bytes (measured)."
-    steps = iter(steps)
     try: pm = PeakMemory(model, opt, getattr(opt, "grad_slices", ()))
     except TypeError as e:  # an optimizer MemTracker cannot file (DeepSpeed's engine): say so in run.json
         memory["peak_first_step"] = f"not measured: {e}"
