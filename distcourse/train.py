@@ -27,7 +27,7 @@ from .evaluation import evaluate_distributed
 from .launch import WorldSizeError, all_ranks_reach, cpu_threads, local_processes, make_accelerator
 from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
-from .memory import track_memory
+from .memory import PeakMemory, track_memory
 from .mesh import Mesh
 from .model import build_model, check_compat
 from .outputs import Run, push_to_hub
@@ -143,6 +143,18 @@ def _grads_saver(acc, cfg):
         if acc.is_main_process: torch.save(grads, Path(cfg.output_dir, f"grads_step{step}.pt"))
     return save if cfg.grads_at else None
 
+def _peak_first_step(steps, model, opt, memory):  # steps: a generator of (step, result); model, opt: this rank's
+    "`steps`, the first inside `PeakMemory`: memory['peak_first_step'][device][category], bytes (measured)."
+    try: pm = PeakMemory(model, opt, getattr(opt, "grad_slices", ()))
+    except TypeError as e:  # an optimizer MemTracker cannot file (DeepSpeed's engine): say so in run.json
+        memory["peak_first_step"] = f"not measured: {e}"
+        yield from steps
+        return
+    with pm: first = next(steps, None)
+    memory["peak_first_step"] = pm.peaks  # the first step only: the tracker slows every step it watches
+    if first is not None: yield first
+    yield from steps
+
 def train(config=None, **overrides) -> dict:
     "Train as `config` (a `Config`, a dict, or flags as keyword arguments) says; returns the summary."
     cfg = validate(replace(config if isinstance(config, Config) else Config(**(config or {})), **overrides))
@@ -167,6 +179,7 @@ def train(config=None, **overrides) -> dict:
     before = _before(acc, run, model, val_dl, cfg, resumed)
     steps = train_steps(acc, model, opt, sched, meter.counted(stream), cfg.task, cfg.max_steps, start,
                         cfg.grad_accum, cfg.max_grad_norm, loss_fn, _grads_saver(acc, cfg))
+    steps = _peak_first_step(steps, model, opt, memory)  # measured; the *_bytes beside it are counted
     after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
                   lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
     memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
@@ -193,9 +206,11 @@ def _train_mesh(cfg) -> dict:
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
     steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
                              _grads_saver(acc, cfg))
+    steps = _peak_first_step(steps, mesh.model, mesh.opt, memory)  # this rank's piece, measured
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
                   lambda: evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task))
+    memory["per_rank"] = gather_object([dict(memory)])  # every rank's piece: stages differ
     return _finish(acc, cfg, run, mesh.hf, tok, before, after, len(val_dl.dataset), {"zero_stage": 0,
                    "parallel": mesh.parallel(), "memory": memory, "utilisation": meter.summary(run, memory),
                    "resumed_from": resumed, "choices": choices(cfg, acc, cfg.max_steps - start)})

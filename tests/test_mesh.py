@@ -96,6 +96,9 @@ def test_mesh_records_mfu_memory(runs, name):
     assert u["tokens_processed"] == one["tokens_processed"]  # the global batch's tokens, counted once, not per rank
     assert 0 < u["mm_utilisation_median"] <= 1 and u["peak_per_rank"]["used"] == "measured"
     assert run["memory"]["activation_bytes"] > 0
+    assert len(run["memory"]["per_rank"]) == run["world_size"]
+    for r in run["memory"]["per_rank"]:  # each rank's piece: its first step measured, above what it counted saved
+        assert r["peak_first_step"]["cpu"]["ACT"] > r["activation_bytes"] > 0, r
     assert run["memory"]["rss_mb_max_all_ranks"] >= run["memory"]["rss_mb_min_all_ranks"] > 0
     print(f"{name}: mm_utilisation median {u['mm_utilisation_median']:.2%}, "
           f"activation bytes {run['memory']['activation_bytes']}")

@@ -39,6 +39,11 @@ def test_outputs(runs):
     assert run["parallel"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
     assert run["memory"]["activation_bytes"] > 0 and run["memory"]["grads_bytes"] > 0
     assert [r["optimizer_bytes"] for r in run["memory"]["per_rank"]] == [run["memory"]["optimizer_bytes"]]
+    peak, mem = run["memory"]["peak_first_step"]["cpu"], run["memory"]  # measured (PeakMemory) beside counted
+    assert peak["PARAM"] == mem["params_bytes"] and peak["GRAD"] == mem["grads_bytes"], (peak, mem)
+    logits = 8 * 64 * 8192 * 4  # (B, T, V) fp32: alive beside the log-softmax, then two gradients of that size
+    assert peak["TEMP"] == 2 * logits and 0 < peak["ACT"] - mem["activation_bytes"] - logits < 32 * 8 * 64, peak
+    assert mem["optimizer_bytes"] < peak["OPT"] < mem["optimizer_bytes"] + 2 * 4 * 8192 * 64  # + AdamW's temporaries
     u = run["utilisation"]
     assert 0 < u["mm_utilisation_median"] <= 1 and u["metric"] == "mm_utilisation"  # a measured matmul rate, not MFU
     assert u["tokens_processed"] == 12 * 8 * 64  # every input token of 12 steps of 8 blocks (the loss has 8 × 63)
@@ -69,6 +74,8 @@ def test_two_processes_are_real_and_equal(runs):
     train2 = [r for r in records(o2) if "split" not in r]  # every rank's memory, not rank 0's alone
     assert all(r["rss_mb_min"] <= r["rss_mb_max"] for r in train2) and run2["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "cp": 1}
     assert run2["memory"]["rss_mb_max_all_ranks"] >= run2["memory"]["rss_mb_min_all_ranks"] > 0
+    for r in run2["memory"]["per_rank"]:  # each rank's own first step, measured: whole weights and gradients (DDP)
+        assert r["peak_first_step"]["cpu"]["PARAM"] == r["params_bytes"] == r["grads_bytes"], r
     assert p2.stdout.count("outputs in") == 1  # only the main process prints the summary
     evals = [r for r in records(o2) if r.get("split") == "val"]
     assert all(r["samples"] == run2["val_size"] for r in evals)
