@@ -135,10 +135,11 @@ def build_model(name="tiny",      # a preset (tiny, small, base), a directory sa
 def num_params(model,               # any nn.Module
                non_embedding=False, # drop position embeddings (nanoGPT's convention; the tied token embedding stays)
               ) -> int:
-    "Unique parameters of `model`: a tied matrix counts once."
-    n = sum(p.numel() for p in model.parameters())  # parameters() yields a shared tensor once
+    "Unique parameters of `model`: a tied matrix counts once; one DeepSpeed's ZeRO-3 partitioned, whole."
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # ZeRO-3 leaves numel() 0 and keeps the size in ds_numel
+    n = sum(numel(p) for p in model.parameters())  # parameters() yields a shared tensor once
     if non_embedding:
-        n -= sum(m.weight.numel() for name, m in model.named_modules()
+        n -= sum(numel(m.weight) for name, m in model.named_modules()
                  if isinstance(m, nn.Embedding) and name.endswith(("wpe", "position_embeddings")))
     return n
 

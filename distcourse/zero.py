@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['ZERO1', 'ZERO2', 'FlatZeroOptimizer', 'torch_zero1', 'buckets', 'FlatZero2Optimizer', 'check_stage', 'shard_model',
-           'prepare_zero', 'full_state_dict', 'zero_worker', 'zero_peak_bytes']
+           'prepare_zero', 'full_state_dict', 'zero_worker']
 
 # %% ../nbs/05a_zero.ipynb #eef28cf2
 import copy
@@ -27,7 +27,7 @@ from .comm import count_collectives, tensor_bytes
 from .ddp import full_grads, train_step
 from .launch import make_accelerator
 from .loop import epochs, make_optimizer, make_scheduler, setup
-from .memory import STAGES, PeakMemory, track_memory, zero_bytes
+from .memory import STAGES, PeakMemory, track_memory
 from .model import num_params
 
 # %% ../nbs/05a_zero.ipynb #101f6b30
@@ -43,7 +43,6 @@ def _flat_slice(tensors, lo, hi) -> torch.Tensor:
 def _grads(ps) -> list:
     "The gradients of the tensors `ps`, zeros where a tensor has none."
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]
-
 
 # %% ../nbs/05a_zero.ipynb #8bcf9fcd
 class FlatZeroOptimizer(torch.optim.Optimizer):
@@ -83,7 +82,6 @@ class FlatZeroOptimizer(torch.optim.Optimizer):
             if set_to_none: p.grad = None
             elif p.grad is not None: p.grad.zero_()
 
-
 # %% ../nbs/05a_zero.ipynb #0f1370b3
 @patch
 def consolidate_state_dict(self: FlatZeroOptimizer, to=0):  # the rank that will hold the whole state
@@ -116,7 +114,6 @@ def load_state_dict(self: FlatZeroOptimizer, state_dict):  # a `state_dict()`, s
     self.optim.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
     self.param_groups, self.state = self.optim.param_groups, self.optim.state  # loading made new group dicts
 
-
 # %% ../nbs/05a_zero.ipynb #c39bb5b9
 def torch_zero1(model, lr, weight_decay=0.1) -> ZeroRedundancyOptimizer:
     "PyTorch's ZeRO-1 over `make_optimizer`'s groups: whole tensors per rank, updated ones broadcast."
@@ -125,7 +122,6 @@ def torch_zero1(model, lr, weight_decay=0.1) -> ZeroRedundancyOptimizer:
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(base), lr=lr, betas=base.defaults["betas"])
 
 ZERO1 = {"flat": FlatZeroOptimizer, "torch": torch_zero1}  # zero_worker's choice of stage-1 optimizer
-
 
 # %% ../nbs/05a_zero.ipynb #ebcbe51e
 def buckets(ps, size) -> list:
@@ -278,8 +274,7 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
     for stage in stages:
         net, opt = prepare_zero(acc, copy.deepcopy(base), stage, lr, zero1=ZERO1[zero1], zero2=ZERO2[zero2])
         if stage < 2: net.register_comm_hook(None, allreduce_hook)  # DDP's all-reduce, through Python: countable
-        if sync_each and stage >= 2 and zero2 == "fsdp":  # train_step's no-sync call ignored
-            net.set_requires_gradient_sync = lambda requires_gradient_sync, **kw: None
+        if sync_each and stage >= 2 and zero2 == "fsdp": net.set_requires_gradient_sync = lambda *a, **k: None  # ignored
         sched, mem, comm, hist = make_scheduler(opt, 1, steps), track_memory(net, opt), {}, []
         batches, first = epochs(train_dl), {}
         def keep_grads(model):  # step 1's whole gradients, reduced, before clipping (a collective)
@@ -291,9 +286,8 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                 hist.append(train_step(acc, net, opt, sched, [next(batches) for _ in range(grad_accum)], "clm",
                                        max_grad_norm, on_grads=keep_grads if i == 0 else None))
             if pm: mem["peak"] = pm.peaks[str(next(net.parameters()).device)]
-        log = getattr(net, "_get_ddp_logging_data", None)  # DDP's, at stages 0-1
-        if peak and log:  # its reducer's buckets, allocated in C++ before any tracker: counted
-            mem["ddp_bucket_bytes"] = sum(map(int, str(log()["bucket_sizes"]).split(",")))
+        if peak and (log := getattr(net, "_get_ddp_logging_data", None)):  # DDP's buckets, made before any tracker
+            mem["ddp_bucket_bytes"] = sum(map(int, str(log()["bucket_sizes"]).split(",")))  # counted
         if acc.is_main_process: torch.save(first, Path(out_dir, f"grads_stage{stage}.pt"))
         mem["grads_bytes"] += sum(tensor_bytes(g) for g in getattr(opt, "grad_slices", ()))  # ZeRO-2 by hand
         weights, mems = full_state_dict(acc.unwrap_model(net)), [None] * acc.num_processes
@@ -304,45 +298,3 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
                       "weight_diff": max((weights[k] - ref[k]).abs().max().item() for k in ref)}
     if acc.is_main_process: Path(out_dir, "zero.json").write_text(json.dumps(res))
     dist.barrier()  # rank 0 has written before any process exits
-
-# %% ../nbs/05a_zero.ipynb #ddc91d51
-def zero_peak_bytes(model,             # the unsharded fp32 model, as built
-                    world_size,        # N
-                    stage,             # 0 DDP, 1 FlatZeroOptimizer + DDP, 2-3 FSDP2 (shard_model)
-                    grad_accum=1,      # micro-batches per optimizer step
-                    sync_each=False):  # FSDP2 reduce-scatters after every micro-batch
-    "Peak PARAM, GRAD and OPT bytes of the fullest rank in a step, each {named term: bytes}."
-    N, n, ps = world_size, num_params(model), list(model.parameters())
-    def numel(ts): return sum(t.numel() for t in ts)
-    def shard(ts):  # FSDP2 cuts dim 0 into N, padded: the fullest rank's numbers
-        return sum(-(-t.shape[0] // N) * (t.numel() // t.shape[0]) for t in ts)
-    names = set(getattr(model, "_no_split_modules", None) or ())  # shard_model's units
-    blocks = [list(m.parameters()) for m in model.modules() if type(m).__name__ in names]
-    inner = [p for b in blocks for p in b]
-    root = [p for p in ps if all(p is not q for q in inner)]  # embeddings, tied head, final norm
-    big, block = max(ps, key=torch.numel), max(map(numel, blocks))
-    base, acc = zero_bytes(n, N, stage), grad_accum > 1
-    params, grads = {"zero_bytes": base["params"]}, {"zero_bytes": base["grads"]}
-    opt = {"zero_bytes": base["optimizer"]}
-    if stage == 2: params["the shard, kept while its unit is gathered"] = 4 * shard(ps)
-    if stage == 3: params |= {"root unit gathered": 4 * numel(root), "a block gathered": 4 * block}
-    nxt = {"the largest tensor's next gradient, before it is added": 4 * big.numel()}
-    if stage < 2 and acc: grads |= nxt
-    if stage >= 2:  # the root's gradient is complete last, when every block is reduced
-        grads = {"blocks' shards": 4 * shard(inner), "root's gradient, whole": 4 * numel(root)}
-        if acc and sync_each: grads["root's shard, from earlier micro-batches"] = 4 * shard(root)
-        if acc and not sync_each: grads |= nxt
-        start = {"whole gradients, kept across micro-batches": 4 * n,
-                 "a block's next gradient": 4 * block}
-        if acc and not sync_each and sum(start.values()) > sum(grads.values()): grads = start
-    if stage == 1:  # a flat buffer per make_optimizer group, k numbers of it per rank
-        ks = [-(-numel(g["params"]) // N) for g in make_optimizer(model, 1e-3).param_groups]
-        opt |= {"flat buffers' padding": 8 * sum(ks) - base["optimizer"],
-                "step counters": 4 * len(ks),
-                "fp32 slice": 4 * sum(ks), "gradient slice": 4 * sum(ks),
-                "2 AdamW temporaries, largest slice": 8 * max(ks)}
-    else:
-        opt |= {"step counters": 4 * len(ps),
-                "2 AdamW temporaries, largest tensor":
-                    8 * (shard([big]) if stage >= 2 else big.numel())}
-    return {"PARAM": params, "GRAD": grads, "OPT": opt}

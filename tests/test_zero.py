@@ -15,7 +15,8 @@ from distcourse.comm import ring_bytes_sent
 from distcourse.loop import make_optimizer
 from distcourse.memory import STAGES, zero_bytes
 from distcourse.model import build_model
-from distcourse.zero import buckets, prepare_zero, zero_peak_bytes
+from distcourse.memory import zero_peak_bytes
+from distcourse.zero import buckets, prepare_zero
 
 LOSS_TOL = 1e-4  # |Δloss| vs DDP; measured 0 over 8 steps (2e-6 with torch's clip_grad_norm_)
 # The gradients themselves (AdamW and clipping hide a constant factor on them): the pre-clip norm
