@@ -8,6 +8,7 @@ alone cannot see a gradient scaled by a constant (AdamW and clipping absorb it);
 import json
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -180,10 +181,38 @@ def table(request):
         for row in ROWS: print("{:42} -> {:13} -> {}: {}".format(*row))
 
 
+@pytest.fixture(scope="module")
+def outcomes(request, reference, tmp_path_factory):
+    """The selected checks on the package as it is and with each selected fault, two runs at a time (a run is
+    mostly imports and process starts, one core each): {("check" | "fault", name): (verdict, what)}."""
+    items = [i for i in request.session.items if i.module is request.module and hasattr(i, "callspec")]
+    jobs = [("check", i.callspec.params["name"], None) for i in items
+            if i.originalname == "test_check_passes_unmutated"]
+    jobs += [("fault", i.callspec.params["f"]["name"], i.callspec.params["f"]) for i in items
+             if i.originalname == "test_fault_is_caught"]
+    def one(kind, name, f):
+        tmp = tmp_path_factory.mktemp("check")
+        try:
+            if f is None: return run_check(name, tmp, reference)
+            repo = fresh_copy(tmp / "repo")
+            mutate(repo, f)
+            return run_check(f["check"], tmp, reference, repo, copy_env(repo))
+        except Exception as e: return "error", e  # raised by its own test
+    with ThreadPoolExecutor(2) as pool:
+        futures = {(kind, name): pool.submit(one, kind, name, f) for kind, name, f in jobs}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def outcome(outcomes, key) -> tuple:
+    verdict, what = outcomes[key]
+    if verdict == "error": raise what
+    return verdict, what
+
+
 @pytest.mark.parametrize("name", CHECKS)
-def test_check_passes_unmutated(name, reference, tmp_path):
+def test_check_passes_unmutated(name, outcomes):
     "A check that always failed would prove nothing: on the package as it is, each one passes."
-    verdict, what = run_check(name, tmp_path, reference)
+    verdict, what = outcome(outcomes, ("check", name))
     ROWS.append(("(none)", name, "passes" if verdict == "equal" else f"FAILS ({verdict})", what))
     assert verdict == "equal", f"{name} fails on the unmutated package: {what}"
 
@@ -202,11 +231,9 @@ def mutate(repo, f):  # f: one of FAULTS
 
 
 @pytest.mark.parametrize("f", FAULTS, ids=[f["name"] for f in FAULTS])
-def test_fault_is_caught(f, reference, tmp_path):
+def test_fault_is_caught(f, outcomes):
     "The fault, written into a fresh copy of the package, makes its check's numbers differ."
-    repo = fresh_copy(tmp_path / "repo")
-    mutate(repo, f)
-    verdict, what = run_check(f["check"], tmp_path, reference, repo, copy_env(repo))
+    verdict, what = outcome(outcomes, ("fault", f["name"]))
     shown = {"differ": "caught", "equal": "NOT CAUGHT", "failed": "RUN FAILED"}[verdict]
     ROWS.append((f"{f['name']} ({f['module']}.py)", f["check"], shown, what))
     # A fault is wrong arithmetic: a crash or a hang would prove nothing about the comparison.

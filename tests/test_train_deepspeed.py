@@ -27,7 +27,6 @@ def zero3_worker(out_dir):
     import yaml
     from distcourse.data import get_tokenizer
     from distcourse.model import build_model, num_params
-    from distcourse.model import num_params
     from distcourse.train import _save_model
     ds = yaml.safe_load((ROOT / "configs/accelerate/zero3_offload.yaml").read_text())["deepspeed_config"]
     ds.update(offload_optimizer_device="none", offload_param_device="none")
