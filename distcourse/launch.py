@@ -32,6 +32,7 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import patch_environment
 from datasets import disable_progress_bars as disable_datasets_bars
 from huggingface_hub.utils import disable_progress_bars as disable_hub_bars
+from tqdm.std import TqdmDefaultWriteLock
 from transformers.utils.logging import disable_progress_bar as disable_transformers_bar
 
 # %% ../nbs/02a_launch.ipynb #b4a85380
@@ -48,9 +49,7 @@ def free_port() -> int:
         with socket.socket() as s:
             try: s.bind(("127.0.0.1", port)); return port
             except OSError: continue  # taken: try another
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))  # port 0: the OS picks an unused one
-        return s.getsockname()[1]
+    with socket.socket() as s: s.bind(("127.0.0.1", 0)); return s.getsockname()[1]  # port 0: the OS picks one
 
 def cores() -> int:
     "The cores this process may run on."
@@ -60,6 +59,8 @@ def _free_openmp_threads():  # GNU OpenMP's pool does not survive a fork (a chil
     if pause := getattr(ctypes.CDLL(None), "omp_pause_resource_all", None): pause(2)  # hard; remade on use
 
 os.register_at_fork(before=_free_openmp_threads)  # launch, notebook_launcher, DataLoader workers: all fork
+_bars = TqdmDefaultWriteLock.th_lock  # tqdm's thread lock: its monitor thread holds it an instant every 10 s
+os.register_at_fork(before=_bars.acquire, after_in_parent=_bars.release, after_in_child=_bars.release)
 
 # %% ../nbs/02a_launch.ipynb #c20d7c2a
 def _start_dir(parent, port) -> Path:  # the forking process's pid, the run's rendezvous port
@@ -102,8 +103,7 @@ def _one_process(fn, threads, args, conn):
 def _fresh_accelerate_state(clear=True):
     "Run the body without this process's Accelerate state (as a new process would); put it back afterwards."
     saved = [(cls, dict(cls._shared_state)) for cls in (PartialState, AcceleratorState, GradientState)]
-    for cls, _ in saved:
-        if clear: cls._shared_state.clear()
+    for cls, _ in (saved if clear else ()): cls._shared_state.clear()
     try: yield
     finally:
         for cls, state in saved: cls._shared_state.clear(); cls._shared_state.update(state)

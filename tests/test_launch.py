@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import psutil
 import pytest
 import torch
 from accelerate.state import PartialState
+from tqdm.std import TqdmDefaultWriteLock, tqdm
 
 from conftest import ACCELERATE, PY, ROOT
 from distcourse.launch import (accelerator_worker, free_port, hello_worker, launch, make_accelerator,
@@ -162,6 +164,21 @@ def test_a_fork_after_openmp_work_does_not_hang():
         _layer_norms()  # this process's OpenMP threads exist now
         assert launch(_layer_norms, num_processes=1, timeout=30) == "done"
     finally: torch.set_num_threads(before)
+
+
+def _a_bar():
+    tqdm(range(3), disable=True)  # takes tqdm's lock, as every bar of datasets does, shown or not
+    return "done"
+
+
+def test_a_fork_while_tqdm_lock_is_held_does_not_hang():
+    "tqdm's monitor thread holds tqdm's lock an instant every 10 s: a fork then must not hand the child a held copy."
+    held, go = threading.Event(), threading.Event()
+    def hold():
+        with TqdmDefaultWriteLock.th_lock: held.set(); go.wait(2)  # released after 2 s at most
+    t = threading.Thread(target=hold); t.start(); held.wait()
+    try: assert launch(_a_bar, num_processes=1, timeout=20) == "done"  # the fork waits for the lock
+    finally: go.set(); t.join()
 
 
 def test_bad_num_processes():
