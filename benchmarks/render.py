@@ -172,7 +172,20 @@ def table(res: dict) -> str:
     if res.get("paths"): lines += paths_table(res)
     if res.get("comm"): lines += comm_table(res)
     if res.get("tp"): lines += tp_table(res)
+    if res.get("memory"): lines += memory_table(res)
     return "\n".join(lines) + "\n"
+
+
+def memory_table(res: dict) -> list:
+    "Each trainer's measured peak bytes of one step (PeakMemory) beside the memory model's (lesson 05)."
+    lines = ["", "Memory of one step, bytes: measured peak by category (lesson 05's `PeakMemory`) / predicted "
+             "(fp32 weights and gradients, `adamw_peak_bytes`):", "",
+             "| trainer | PARAM | GRAD | OPT | ACT | TEMP |", "|---|---|---|---|---|---|"]
+    for k, m in res["memory"].items():
+        p, want = m["peak"], m["predicted"]
+        lines.append(row(k, *(f"{p[c]:,} / {want[c]:,}" for c in ("PARAM", "GRAD", "OPT")),
+                         f"{p['ACT']:,}", f"{p['TEMP']:,}"))
+    return lines
 
 
 def scaling_rows(res: dict) -> list:

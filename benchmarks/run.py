@@ -34,6 +34,7 @@ import accelerate, datasets, tokenizers, torch, transformers  # noqa: E402
 import distcourse  # noqa: E402
 from distcourse.comm import TIMED, measure_collectives, predicted_all_reduce_s  # noqa: E402
 from distcourse.launch import make_accelerator  # noqa: E402
+from distcourse.memory import PeakMemory, adamw_peak_bytes  # noqa: E402
 from distcourse.gpt import flops_per_token  # noqa: E402
 from distcourse.model import num_params  # noqa: E402
 from distcourse.tracking import DATASHEET_FLOPS, datasheet_gpu  # noqa: E402
@@ -85,7 +86,19 @@ def contenders(b: Bench, matmul_n, hf, tmp) -> dict:
     if hf: hf_trainer(b, others, record, tmp)  # the Trainer's loop drives; the others take turns in a callback
     else:
         for turn in range(b.warmup + b.steps): take_turns(others, b, record, turn)
-    return {k: {"step_s": [s for s, _ in v[b.warmup:]], "work_per_step": v[-1][1]} for k, v in records.items()}
+    out = {k: {"step_s": [s for s, _ in v[b.warmup:]], "work_per_step": v[-1][1]} for k, v in records.items()}
+    return out | {"memory": None if b.compile else {c.name: step_peaks(c) for c in others[:2]}}
+
+
+def step_peaks(c) -> dict:
+    "One more step of a trainer under lesson 05's PeakMemory: measured peaks beside the memory model's terms."
+    with PeakMemory(c.model, c.opt) as pm: c.step()  # a dispatch-mode tracker: timed steps run without it
+    peak = pm.peaks[str(next(c.model.parameters()).device)]
+    ps, opt = list(c.model.parameters()), getattr(c.opt, "optimizer", c.opt)
+    n = sum(p.numel() for p in ps)  # fp32 weights, gradients and AdamW state, whatever autocast computes in
+    adam = adamw_peak_bytes([[p.numel() for p in g["params"]] for g in opt.param_groups])
+    return {"peak": {k: peak[k] for k in ("PARAM", "GRAD", "OPT", "ACT", "TEMP")},
+            "predicted": {"PARAM": 4 * n, "GRAD": 4 * n, "OPT": sum(adam.values())}, "opt_terms": adam}
 
 
 def summarize(per, b: Bench, model) -> dict:
@@ -115,6 +128,7 @@ def paths(b: Bench, matmul_n, model, tmp) -> dict:
         hf = name in ("fp32 eager", "bf16 compile")  # the Trainer's default precision, and the course's default
         with _fresh_accelerate_state():
             per = contenders(replace(b, precision=precision, compile=compiled), matmul_n, hf, tmp)
+            per.pop("memory")
         r = summarize(per, b, model)
         out[name] = {"tokens_per_s": r["tokens_per_s"], "loop_vs_torch": r["ratios"]["loop_vs_torch"]["ratio"]}
         if hf: out[name]["loop_vs_hf_trainer"] = r["ratios"]["loop_vs_hf_trainer"]["ratio"]
@@ -211,7 +225,9 @@ def main(argv=None):
     res["tp"] = None if args.no_tp or CUDA else measure_tp("smoke" if mode == "smoke" else "quick")  # lesson 05c
     sections["tp"], t = time.time() - t, time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        res |= summarize(contenders(b, matmul_n, not args.no_hf, tmp), b, model)
+        per = contenders(b, matmul_n, not args.no_hf, tmp)
+        res["memory"] = per.pop("memory")  # bytes per rank: measured peaks, the model's prediction beside
+        res |= summarize(per, b, model)
     sections["contenders"] = time.time() - t
     res |= {k: v["ratio"] for k, v in res["ratios"].items()}
     res["main_job_vs_best_path"] = None

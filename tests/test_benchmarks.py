@@ -56,6 +56,17 @@ def test_results_have_every_field(smoke):
     assert {r["collective"] for r in rows} == set(TIMED) and all(r["seconds"] > 0 and r["busbw"] > 0 for r in rows)
 
 
+def test_memory_measured_beside_the_prediction(smoke):
+    "Each trainer's step measured by PeakMemory: weights, gradients and AdamW equal lesson 05's terms."
+    res, md = smoke[0], smoke[1]
+    assert set(res["memory"]) == {"torch", "distcourse"}
+    for name, m in res["memory"].items():
+        assert m["peak"]["PARAM"] == 4 * res["config"]["num_params"], name  # tied weights once
+        for k in ("PARAM", "GRAD", "OPT"): assert m["peak"][k] == m["predicted"][k], (name, k, m)
+        assert m["peak"]["ACT"] > 0 and m["opt_terms"]["sqrt and denominator of one tensor"] > 0
+    assert "Memory of one step" in md
+
+
 def test_tensor_parallel_fields(smoke):
     "tp 1 and tp 2 both measured; the counted all-reduces per step are the 4 per block that lesson 05c proves."
     tp = smoke[0]["tp"]
