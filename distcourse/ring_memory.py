@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['saved_bytes', 'block_backward', 'lean_ring_attention', 'lean_saved_bytes', 'ring_memory_worker']
 
-# %% ../nbs/05g_ring_memory.ipynb #f704cf18
+# %% ../nbs/05g_ring_memory.ipynb #013c2025
 import json
 import os
 from pathlib import Path
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from .context_parallel import (_count, _shift, attention_block, check_cp, chunk_ids, merge,
                                          ring_attention, seq_positions)
 
-# %% ../nbs/05g_ring_memory.ipynb #d8ef1bbf
+# %% ../nbs/05g_ring_memory.ipynb #6bb72ac5
 def saved_bytes(fn, *args, **kwargs) -> tuple:
     "Run `fn(*args, **kwargs)`: (its output, bytes of the distinct storages autograd saved)."
     kept = {}
@@ -29,7 +29,7 @@ def saved_bytes(fn, *args, **kwargs) -> tuple:
         out = fn(*args, **kwargs)
     return out, sum(kept.values())
 
-# %% ../nbs/05g_ring_memory.ipynb #03a80732
+# %% ../nbs/05g_ring_memory.ipynb #85633195
 def block_backward(q, k, v,      # (B, nh, Tq, hs) queries; (B, nh, Tk, hs) a block's keys, values
                    dout, lse, D, # (B, nh, Tq, hs) dO; (B, nh, Tq, 1) final lse, rowsum(dO * O)
                    causal=False,   # the diagonal block: query i sees keys 0..i of it
@@ -44,7 +44,7 @@ def block_backward(q, k, v,      # (B, nh, Tq, hs) queries; (B, nh, Tk, hs) a bl
     ds = p * (dout @ v.transpose(-2, -1) - D)  # dS = P * (dP - D)
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, p.transpose(-2, -1) @ dout
 
-# %% ../nbs/05g_ring_memory.ipynb #371fd216
+# %% ../nbs/05g_ring_memory.ipynb #46d382b9
 def _rank_cp(group):
     "(rank, size) of `group`; (0, 1) without a process group."
     return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
@@ -61,7 +61,7 @@ def _blocks(rank, cp, step, layout, mine):
     return [(i, j, kj == qi) for i, qi in enumerate(mine)
             for j, kj in enumerate(theirs) if kj <= qi]  # a later chunk: masked out
 
-# %% ../nbs/05g_ring_memory.ipynb #8822da2e
+# %% ../nbs/05g_ring_memory.ipynb #0ef70b2f
 class _LeanRing(torch.autograd.Function):
     "Ring attention that saves q, k, v, out and lse; backward rebuilds P and sends dK/dV home."
     @staticmethod
@@ -120,7 +120,7 @@ def lean_ring_attention(q, k, v,     # (B, nh, T/cp, hs): this rank's tokens, in
     if dist.is_initialized() and group is None: group = dist.group.WORLD
     return _LeanRing.apply(q, k, v, group, layout, stats)
 
-# %% ../nbs/05g_ring_memory.ipynb #09f41df8
+# %% ../nbs/05g_ring_memory.ipynb #f0f07684
 def lean_saved_bytes(B, n_head, T, hs, cp,  # T: the full sequence's length
                      itemsize=4) -> int:       # bytes of one number: 4 for fp32, 2 for bf16
     "Bytes a rank keeps for the lean ring's backward: q, k, v, out of T/cp tokens and their lse."
