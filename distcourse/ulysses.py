@@ -6,7 +6,7 @@
 __all__ = ['check_ulysses', 'all_to_all', 'ulysses_attention', 'ulysses_bytes', 'ring_bytes', 'allgather_attention',
            'ulysses_check_worker', 'time_worker']
 
-# %% ../nbs/05h_ulysses.ipynb #a1fbd54b
+# %% ../nbs/05h_ulysses.ipynb #5749486a
 import json
 import os
 import statistics
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from .context_parallel import check_cp, cp_group, ring_attention, seq_positions
 
-# %% ../nbs/05h_ulysses.ipynb #b5587a90
+# %% ../nbs/05h_ulysses.ipynb #2c01b7c5
 def check_ulysses(n_head,        # query heads of the model
                   cp,            # context-parallel degree: ranks that share one sequence
                   n_kv_head=None,  # K/V heads under GQA (None: n_head)
@@ -33,7 +33,7 @@ def check_ulysses(n_head,        # query heads of the model
                              f"rank 1/cp of the heads); choose a cp that divides {name} ({ok}), or use ring "
                              f"attention, whose degree is not tied to the heads")
 
-# %% ../nbs/05h_ulysses.ipynb #d65a883c
+# %% ../nbs/05h_ulysses.ipynb #fefbf81f
 def _count_sent(stats, key, piece, n):
     "Count one collective in `stats[key]` and the bytes of `n` pieces like `piece` this rank sends in `stats[key + '_bytes']`."
     if stats is None: return
@@ -64,7 +64,7 @@ def all_to_all(x, scatter, gather, group=None, stats=None) -> torch.Tensor:  # s
     "Differentiable all-to-all: `x` cut along dim `scatter` across the ranks, the pieces received joined along `gather`."
     return _AllToAll.apply(x, scatter, gather, group or dist.group.WORLD, stats)
 
-# %% ../nbs/05h_ulysses.ipynb #86b0a1b3
+# %% ../nbs/05h_ulysses.ipynb #9f895f2f
 def ulysses_attention(q, k, v,     # (B, nh, T/cp, hs): this rank's contiguous chunk of the sequence
                       group=None,  # the cp ranks (None: every rank; no process group: one rank)
                       stats=None,  # a dict to count all-to-alls and their bytes in
@@ -87,7 +87,7 @@ def ring_bytes(B, n_head, T, hs, cp, itemsize=4, backward=False) -> int:
     "Bytes one rank sends in ring attention: cp-1 K/V blocks (2 x B·nh·(T/cp)·hs) forward, as many gradients back."
     return (2 if backward else 1) * (cp - 1) * 2 * B * n_head * (T // cp) * hs * itemsize
 
-# %% ../nbs/05h_ulysses.ipynb #a4d61d47
+# %% ../nbs/05h_ulysses.ipynb #df1a0c41
 class _AllGather(torch.autograd.Function):
     "Forward: every rank's `x`, stacked (cp, ...). Backward: reduce-scatter, each rank's row of the summed gradients."
     @staticmethod
@@ -119,7 +119,7 @@ def allgather_attention(q, k, v,          # (B, nh, T/cp, hs) queries; K/V may h
     mask = kpos[None, :] <= seq_positions(T, rank, cp, layout, q.device)[:, None]   # (T/cp, T): causal
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.size(1) != k.size(1))
 
-# %% ../nbs/05h_ulysses.ipynb #b32846c8
+# %% ../nbs/05h_ulysses.ipynb #75127294
 def _inputs(B, n_head, T, hs, seed, n_kv=None):  # q, k, v, dy of the whole sequence; k and v with n_kv heads
     g = torch.Generator().manual_seed(seed)  # CPU on purpose (below): a gloo check's inputs
     return [torch.randn(B, n, T, hs, generator=g) for n in (n_head, n_kv or n_head, n_kv or n_head, n_head)]
@@ -158,7 +158,7 @@ def ulysses_check_worker(out_dir, B=2, n_head=8, T=32, hs=8, n_kv=4, seed=0,
     dist.all_gather_object(out, res)
     if dist.get_rank() == 0: Path(out_dir, f"ulysses_{world}.json").write_text(json.dumps(out))
 
-# %% ../nbs/05h_ulysses.ipynb #19ba0410
+# %% ../nbs/05h_ulysses.ipynb #8cdad8d3
 def time_worker(out_dir, Ts, B=1, n_head=8, hs=64, repeats=3):
     "Worker: seconds of one forward + backward of ring and Ulysses attention at each T (the slowest rank's median)."
     dist.init_process_group("gloo")
