@@ -80,9 +80,9 @@ class GPTStage(nn.Module):
         for block in t.h.values(): x = block(x)  # (B, T, C)
         return self.lm_head(t.ln_f(x)) if self.is_last else x  # last: logits (B, T, V); else the next's input
 
-def pipeline_stage(model, rank, pp) -> GPTStage:
-    "The stage that `rank` runs: pipelines are `pp` consecutive ranks, so stage = rank mod pp."
-    return GPTStage(model, rank % pp, pp)
+def pipeline_stage(model, rank, pp, world_size=None) -> GPTStage:  # world_size None: pp, one pipeline
+    "The stage that `rank` runs: stages are the outermost axis, so stage = rank // dp (dp = world_size / pp)."
+    return GPTStage(model, rank // ((world_size or pp) // pp), pp)
 
 # %% ../nbs/05e_pipeline.ipynb #d2775a24
 def schedule_actions(schedule, # "gpipe" or "1f1b"
@@ -146,14 +146,15 @@ def pp_groups(pp) -> SimpleNamespace:
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % pp: raise ValueError(f"pp={pp} does not divide the world size {world}; launch a multiple of "
                                     f"{pp} processes or pick a pp that divides it")
-    out = SimpleNamespace(stage=rank % pp, ranks=[], pipe=None, embed=None, dp=None)
-    for first in range(0, world, pp):  # pipelines: ranks first .. first + pp - 1
-        ranks = list(range(first, first + pp))
+    dp = world // pp  # pipelines side by side
+    out = SimpleNamespace(stage=rank // dp, ranks=[], pipe=None, embed=None, dp=None)
+    for d in range(dp):  # pipelines: ranks d, d + dp, ... (stages outermost, as 05g's mesh)
+        ranks = list(range(d, world, dp))
         pipe, embed = dist.new_group(ranks), dist.new_group(sorted({ranks[0], ranks[-1]}))
         if rank in ranks: out.ranks, out.pipe, out.embed = ranks, pipe, embed
-    for s in range(pp):  # data parallel: the same stage of every pipeline
-        dp = dist.new_group(list(range(s, world, pp)))
-        if s == out.stage: out.dp = dp
+    for s in range(pp):  # data parallel: the same stage of every pipeline, dp neighbouring ranks
+        group = dist.new_group(list(range(s * dp, (s + 1) * dp)))
+        if s == out.stage: out.dp = group
     return out
 
 def sync_tied(stage, groups):
@@ -242,7 +243,7 @@ def _report(api, loss, grads, events, want, pp) -> dict:
            "norm_diff": abs(norm_got - norm_want) / norm_want,  # relative, before clipping; tied: once
            "missing": sorted(set(want) - set(got)), "grads": got}
     if api == "hand":
-        events = [e for per_rank in events[:pp] for e in per_rank]  # the first pipeline's stages
+        events = [e for r in events[:: len(events) // pp] for e in r]  # pipeline 0: ranks 0, dp, 2·dp…
         out.update(timeline=events, bubble=bubble_fraction(events, pp),
                    peak=[max(e["in_flight"] for e in events if e["stage"] == s) for s in range(pp)])
     return out
@@ -284,7 +285,7 @@ def pp_worker(out_dir, pp, micro_batches=(4, 8), schedules=SCHEDULES, apis=("han
     full, x, y, ref_loss, want = _setup(cfg, batch_size, seq_len, seed)
     res = {"pp": pp, "world_size": world, "ref_loss": ref_loss}
     for m, api, schedule in [(m, a, s) for m in micro_batches for a in apis for s in schedules]:
-        stage = pipeline_stage(full, rank, pp)
+        stage = pipeline_stage(full, rank, pp, world)
         for _ in range(reps):
             stage.zero_grad()
             dist.barrier()  # start together: the timeline shows the schedule, not the launch

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 import torch.distributed.checkpoint as dcp
 from conftest import ACCELERATE, PY, ROOT, free_port, grads_diff, run_cli, worst_rel
 from distcourse.config import ConfigError, parse_args
+from distcourse.mesh import mesh_layout
 from distcourse.train import main
 
 # 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp =
@@ -170,6 +171,23 @@ def test_mesh_resumes_on_another_dp(runs, tmp_path):
     norms = worst_rel(*(train_losses(d, "grad_norm")[10:] for d in (runs / "dp2_tp2", again)))
     assert norms <= NORM_TOL, norms  # the pre-clip gradient norms of steps 11-20 as well
     assert json.loads((again / "run.json").read_text())["parallel"]["dp"] == 1
+
+
+def test_layout_tp_innermost_pp_outermost():
+    "The field's rank order (Megatron-Core's tp-cp-ep-dp-pp, torchtitan's pp, dp, cp, tp): tp fastest, pp slowest."
+    lay = mesh_layout(8, tp=2, pp=2)  # dp 2
+    assert lay["tp"][0] == [0, 1]  # rank 1 is rank 0's tp neighbour
+    assert lay["dp"][0] == [0, 2]  # then the replicas
+    assert lay["pp"][0] == [0, 4]  # stage 1 starts at rank 4: stages are the outermost axis
+    tp, cp, pp, world = 2, 2, 2, 16  # dp 2
+    lay, dp = mesh_layout(world, tp, pp, cp), world // (tp * cp * pp)
+    for ranks in lay["tp"]: assert ranks == list(range(ranks[0], ranks[0] + tp))  # consecutive
+    for ranks in lay["cp"]: assert ranks == list(range(ranks[0], ranks[0] + cp * tp, tp))
+    for ranks in lay["pp"]: assert [r // (world // pp) for r in ranks] == list(range(pp))  # stage = r // (world/pp)
+    for p in range(pp):
+        for d in range(dp):
+            assert lay["dp"][p * cp * tp][d] == ((p * dp + d) * cp) * tp  # ((p·dp + d)·cp + c)·tp + t
+    assert mesh_layout(8, pp=2)["pp"] == [[d, d + 4] for d in range(4)]  # the pipeline lesson's pp_groups
 
 
 BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),

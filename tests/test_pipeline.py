@@ -120,6 +120,14 @@ def test_stages_compose():
     assert one.lm_head.weight is one.transformer.wte.weight  # one stage: tied as in GPT
 
 
+def test_stage_is_outermost():
+    "Stages are the outermost axis: with 8 ranks and pp 2, ranks 0-3 run stage 0 and 4-7 stage 1."
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**TINY))
+    assert [pipeline_stage(gpt, r, 2, 8).stage for r in range(8)] == [0] * 4 + [1] * 4
+    assert [pipeline_stage(gpt, r, 4).stage for r in range(4)] == [0, 1, 2, 3]  # one pipeline
+
+
 @pytest.mark.parametrize("args, message", [
     ((4, 3), "n_layer=4 does not divide into pp=3"),
     ((2, 4), "n_layer=2 is fewer than pp=4"),

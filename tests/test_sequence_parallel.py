@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from conftest import free_port, run_worker
 from distcourse.gpt import GPTConfig
-from distcourse.sequence_parallel import sequence_parallel, sp_saved_bytes, sp_worker
+from distcourse.sequence_parallel import layer_saved_bytes, sequence_parallel, sp_saved_bytes, sp_worker
 from distcourse.tensor_parallel import (count_comm, gather_full_state, random_batches, rel_diff, step_and_count,
                                         tensor_parallel, tiny_gpt)
 from distcourse.comm import ring_bytes_sent
@@ -19,7 +19,8 @@ NORM_TOL = 1e-5  # the gradient norm of each of the 20 steps, relative; measured
 #                7e-8; the weights drift apart by rounding at lr 1e-2, the later norms with them)
 CFG = GPTConfig(vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=32)
 SP_CALLS = {("all_gather", "forward"): 5, ("reduce_scatter", "forward"): 4,  # 2 per block, + before lm_head
-            ("all_gather", "backward"): 5, ("reduce_scatter", "backward"): 4,  # + after the embedding
+            ("all_gather", "backward"): 9, ("reduce_scatter", "backward"): 4,  # + after the embedding;
+            # backward: 2 more all-gathers per block, the chunk each column layer kept gathered again
             ("all_reduce", "param_grad"): 14}  # LayerNorms and row-parallel biases
 
 
@@ -85,18 +86,34 @@ def test_collectives_and_bytes(res):
     assert {e for _, d, e in s["log"] if d != "param_grad"} == {bsh}  # each of B·T·C elements
     assert Counter((name, d) for name, d, _ in s["tp_log"]) == {("all_reduce", "forward"): 4,
                                                                ("all_reduce", "backward"): 4}
-    # Inside the blocks, all-gather + reduce-scatter send what all-reduce sent (2 more gathers: the ends).
-    sp_bytes = {"all_gather": 4 * bsh * (10 - 2), "reduce_scatter": 4 * bsh * 8}
+    # Inside the blocks, all-gather + reduce-scatter send what all-reduce sent (2 more gathers: the ends);
+    # keeping the chunk adds 2 all-gathers per block in backward: 5/4 of TP's bytes.
+    whole = {"all_gather": 4 * bsh * (10 - 2), "reduce_scatter": 4 * bsh * 8}
+    sp_bytes = {"all_gather": 4 * bsh * (14 - 2), "reduce_scatter": 4 * bsh * 8}
     tp_bytes = {"all_reduce": 4 * sum(e for _, _, e in s["tp_log"])}
-    assert ring_bytes_sent(sp_bytes, n) == ring_bytes_sent(tp_bytes, n) > 0
+    assert Counter((name, d) for name, d, _ in s["whole_log"]) == {**SP_CALLS, ("all_gather", "backward"): 5}
+    assert ring_bytes_sent(whole, n) == ring_bytes_sent(tp_bytes, n) > 0
+    assert ring_bytes_sent(sp_bytes, n) == 1.25 * ring_bytes_sent(tp_bytes, n)
 
 
 def test_sequence_parallel_saves_the_predicted_memory(res):
     s, n = res["sp"], res["tp"]
     saved = s["saved"]
     assert s["predicted_saving"] == sp_saved_bytes(CFG, 4, 16, n) > 0
-    assert saved["tp"] - saved["tp+sp"] == s["predicted_saving"], saved  # 21,760 B at tp=2, 32,640 at tp=4
-    assert saved["tp+sp"] < saved["tp"] < saved["one process"]
+    gathered = saved["tp+sp, gathered kept"]  # the LayerNorms split, the column layers' inputs kept whole
+    assert saved["tp"] - gathered == s["predicted_saving"], saved  # 21,760 B at tp=2, 32,640 at tp=4
+    assert saved["tp+sp"] < gathered < saved["tp"] < saved["one process"]
+    assert s["whole_grads"] <= EXACT
+
+
+def test_saved_bytes_per_block_match_the_adjusted_formula(res):
+    "Korthikanti et al.'s sbh(34/t + 5as/(ht)) for TP+SP (and the TP, one-process rows), adjusted to this GPT."
+    per, n, tokens = res["sp"]["per_block"], res["tp"], 4 * 16
+    h, a = CFG.n_embd, CFG.n_head
+    assert per["tp+sp"] == layer_saved_bytes(tokens, h, a, n, sp=True) == tokens * 4 * (16 * h + a + 4) / n
+    assert per["tp"] == layer_saved_bytes(tokens, h, a, n) == tokens * 4 * (4 * h + 4 + (12 * h + a) / n)
+    assert per["one process"] == layer_saved_bytes(tokens, h, a) == n * per["tp+sp"]
+    assert per["tp+sp, gathered kept"] == layer_saved_bytes(tokens, h, a, n, sp=True, keep_chunk=False)
 
 
 def test_twenty_steps(res):
