@@ -148,7 +148,7 @@ def pp_groups(pp) -> SimpleNamespace:
                                     f"{pp} processes or pick a pp that divides it")
     dp = world // pp  # pipelines side by side
     out = SimpleNamespace(stage=rank // dp, ranks=[], pipe=None, embed=None, dp=None)
-    for d in range(dp):  # pipelines: ranks d, d + dp, ... (stages outermost, as 05i's mesh)
+    for d in range(dp):  # pipelines: ranks d, d + dp, ... (stages outermost, as 05k's mesh)
         ranks = list(range(d, world, dp))
         pipe, embed = dist.new_group(ranks), dist.new_group(sorted({ranks[0], ranks[-1]}))
         if rank in ranks: out.ranks, out.pipe, out.embed = ranks, pipe, embed

@@ -1,5 +1,5 @@
-"""The lean ring (lesson 05g_ring_memory) on real gloo processes: one process's attention and gradients,
-and the bytes a rank keeps for backward, predicted and measured, against 05f's ring and one process's SDPA."""
+"""The lean ring (lesson 05h_ring_memory) on real gloo processes: one process's attention and gradients,
+and the bytes a rank keeps for backward, predicted and measured, against 05g's ring and one process's SDPA."""
 import json
 
 import pytest
@@ -27,7 +27,7 @@ def test_lean_ring_equals_one_process_and_keeps_less(tmp_path, p):
         assert (r["stats"]["bwd_sends"], r["stats"]["bwd_sends_bytes"]) == (p, (2 * p - 1) * block)
         kept = r["kept"][str(MEM_T)]
         assert kept["lean ring"] == lean_saved_bytes(1, 4, MEM_T, 16, p)  # predicted = measured
-        assert kept["lean ring"] < kept["05f ring"] and kept["lean ring"] < sdpa, (kept, sdpa)
+        assert kept["lean ring"] < kept["05g ring"] and kept["lean ring"] < sdpa, (kept, sdpa)
     assert sdpa == lean_saved_bytes(1, 4, MEM_T, 16, 1)  # SDPA (CPU flash) keeps the same 5 tensors
 
 

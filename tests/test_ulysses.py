@@ -53,7 +53,7 @@ def test_worker_refuses_before_the_process_group(tmp_path, monkeypatch):
 
 def test_exercise_checks_refuse_wrong_answers():
     "The lesson's exercise checks, run from the notebook: right answers pass, plausible wrong ones fail."
-    nb = json.loads((ROOT / "nbs" / "05h_ulysses.ipynb").read_text())
+    nb = json.loads((ROOT / "nbs" / "05i_ulysses.ipynb").read_text())
     cell = next("".join(c["source"]) for c in nb["cells"] if "def check_max_cp" in "".join(c["source"]))
     scope = {"test_eq": fc.test_eq, "check_ulysses": check_ulysses, "ring_bytes": ring_bytes,
              "ulysses_bytes": ulysses_bytes, "torch": torch}
