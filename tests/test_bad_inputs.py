@@ -1,6 +1,7 @@
 """Bad inputs to `python -m distcourse.train`: a clear error, nothing lost.
 
-Every case is a real command line (a subprocess with a deadline) that must exit 2 with one line
+Every case is its own process running `python -m distcourse.train` (forked, with a deadline, from one
+interpreter that imported the trainer once; the launches below are real command lines) that must exit 2 with one line
 `distcourse.train: error: ...` on stderr naming the problem and the fix, and no traceback. Under
 `accelerate launch`, torch elastic (the launcher) exits 1 and reports its children's exit codes with
 its own `ChildFailedError` traceback: there every rank must print its line and exit 2, and the
@@ -42,7 +43,6 @@ import resource
 import shutil
 import signal
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -198,9 +198,37 @@ SPECIAL = {  # a case's environment, or the damage done to its copy of the train
 }
 
 
+# One interpreter imports the trainer once, then forks a process per case: each case is still its own process
+# (running what `python -m distcourse.train` runs, its exit code and stderr its own), without paying
+# torch's and transformers' imports 42 times. (tests/test_refusals.py and the cases below run the real command.)
+FORKED_CLI = """
+import io, json, os, signal, sys, traceback
+from distcourse.train import main  # imported once, before the forks; what `python -m distcourse.train` calls
+cases, out = json.load(open(sys.argv[1])), {}
+for case, (argv, env) in cases.items():
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the case's process: stdout and stderr into the pipe, as a subprocess's would be
+        os.close(r); os.dup2(w, 1); os.dup2(w, 2)
+        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", 0), line_buffering=True)
+        sys.stderr = io.TextIOWrapper(os.fdopen(2, "wb", 0), line_buffering=True)
+        os.environ.update(env); sys.argv = ["distcourse.train", *argv]
+        try: main(); code = 0
+        except SystemExit as e: code = e.code if isinstance(e.code, int) else (e.code is not None)
+        except BaseException: traceback.print_exc(); code = 1  # as Python itself reports an uncaught error
+        sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
+    os.close(w)
+    signal.alarm(120)  # a case that hangs fails the whole run (the caller's timeout says so)
+    with os.fdopen(r, "rb") as f: text = f.read().decode()
+    _, status = os.waitpid(pid, 0); signal.alarm(0)
+    out[case] = {"returncode": os.waitstatus_to_exitcode(status), "stderr": text}
+json.dump(out, open(sys.argv[2], "w"))
+"""
+
+
 @pytest.fixture(scope="module")
 def results(request, trained, tmp_path_factory):
-    "The selected cases of CASES, two at a time (each mostly imports): {case: (proc, dir)}."
+    "The selected cases of CASES, each a forked `python -m distcourse.train`: {case: (proc, dir)}."
     chosen = {item.callspec.params["case"] for item in request.session.items
               if getattr(item, "originalname", "") == "test_refused"}
     d = tmp_path_factory.mktemp("bad")
@@ -212,10 +240,14 @@ def results(request, trained, tmp_path_factory):
         if "{run}" in argv: copy_run(trained, run_dir)
         if "damage" in SPECIAL.get(case, {}): SPECIAL[case]["damage"](run_dir)
         args = argv.format(d=d, run=run_dir).split()
-        jobs[case] = args if "--output_dir" in args else [*args, "--output_dir", str(out)]
-    with ThreadPoolExecutor(2) as pool:
-        procs = {c: pool.submit(run, a, SPECIAL.get(c, {}).get("env")) for c, a in jobs.items()}
-        return {c: (p.result(), d) for c, p in procs.items()}
+        args = args if "--output_dir" in args else [*args, "--output_dir", str(out)]
+        jobs[case] = ([*BASE, *args], SPECIAL.get(case, {}).get("env", {}))
+    (d / "cases.json").write_text(json.dumps(jobs))
+    proc = subprocess.run([PY, "-c", FORKED_CLI, str(d / "cases.json"), str(d / "got.json")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads((d / "got.json").read_text())
+    return {c: (subprocess.CompletedProcess([], r["returncode"], "", r["stderr"]), d) for c, r in got.items()}
 
 
 @pytest.mark.parametrize("case,argv,what", CASES, ids=[c[0] for c in CASES])
