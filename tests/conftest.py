@@ -37,6 +37,15 @@ PY = sys.executable
 ACCELERATE = [PY, "-m", "accelerate.commands.launch"]
 
 
+def trainer_cmd(world, timeout=240) -> list:
+    """`python -m distcourse.train` on `world` processes forked from one interpreter (lesson 02a's `launch`, which
+    stops them after `timeout` s): the gloo group and trainer that `accelerate launch --multi_gpu` gives, with torch
+    imported once rather than once per rank, the flags parsed in each rank. Append the trainer's flags."""
+    if world == 1: return [PY, "-m", "distcourse.train"]
+    return [PY, "-c", "import sys; from distcourse.launch import launch; from distcourse.train import main; "
+            f"launch(main, (sys.argv[2:],), num_processes=int(sys.argv[1]), timeout={timeout})", str(world)]
+
+
 def fresh_copy(dest):
     "The repository's tracked files, as they are in the working tree, copied into `dest`: what a clone holds."
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, copy_env, fresh_copy, run_cli
+from conftest import PY, ROOT, copy_env, fresh_copy, run_cli, trainer_cmd
 
 TIMEOUT = 240  # seconds per launch: a hang fails
 # 3 steps of the tiny model; the global batch is 4 x 2 sequences of 32 tokens in every layout below
@@ -98,17 +98,10 @@ def records(out) -> list:
             if "split" not in r]
 
 
-# The trainer's flags parsed as the CLI does, on `world` processes forked from one interpreter (lesson 02a's
-# `launch`): the same gloo group and trainer as `accelerate launch`, with torch imported once, not once per rank.
-LAUNCHED = ("import sys; from distcourse.launch import launch; from distcourse.train import main; "
-            f"launch(main, (sys.argv[2:],), num_processes=int(sys.argv[1]), timeout={TIMEOUT})")  # parsed in each rank
-
-
 def run_trainer(out, world, flags, repo=ROOT, env=None, resume=False):
     "The trainer on `world` processes of `repo`'s package; None when it ran, else why it did not."
-    cmd = [PY, "-m", "distcourse.train"] if world == 1 else [PY, "-c", LAUNCHED, str(world)]
-    cmd += [*ARGS, *flags, "--output_dir", str(out)] + (["--resume", "latest"] if resume else [])
-    return _run(cmd, repo, env)
+    cmd = [*trainer_cmd(world, TIMEOUT), *ARGS, *flags, "--output_dir", str(out)]
+    return _run(cmd + (["--resume", "latest"] if resume else []), repo, env)
 
 
 def _run(cmd, repo, env):

@@ -4,13 +4,14 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from conftest import ACCELERATE, PY, ROOT, free_port, grads_diff, run_cli, run_worker, worst_rel
+from conftest import ROOT, grads_diff, run_cli, run_worker, trainer_cmd, worst_rel
 from distcourse.comm import ring_bytes_sent
 from distcourse.loop import make_optimizer
 from distcourse.memory import STAGES, zero_bytes
@@ -289,16 +290,15 @@ def cli_runs(tmp_path_factory):
     """The tiny config at --zero_stage 0-3, 2 processes; run.json and train losses of each; one
     process on the same global batch (4 x 2) for the gradients (every run saves step 1's)."""
     tmp, out = tmp_path_factory.mktemp("zero_cli"), {}
-    args = ["-m", "distcourse.train", "--config", str(ROOT / "configs/tiny.yaml"),
-            "--max_steps", "4", "--log_every", "1", "--eval_every", "0", "--tracker", "none",
-            "--grads_at", "1"]
-    one = run_cli([PY, *args, "--batch_size", "8", "--output_dir", str(tmp / "one")])
-    assert one.returncode == 0, one.stderr[-3000:]
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "4", "--log_every", "1",
+            "--eval_every", "0", "--tracker", "none", "--grads_at", "1"]
+    jobs = {"one": [*trainer_cmd(1), *args, "--batch_size", "8", "--output_dir", str(tmp / "one")]}
+    jobs |= {stage: [*trainer_cmd(2), *args, "--zero_stage", str(stage), "--save_every", "2",
+                     "--output_dir", str(tmp / f"z{stage}")] for stage in STAGES}
+    with ThreadPoolExecutor(2) as pool:  # two runs at a time: much of a run is imports and process starts
+        procs = {k: pool.submit(run_cli, cmd) for k, cmd in jobs.items()}
+        for k, proc in procs.items(): assert proc.result().returncode == 0, (k, proc.result().stderr[-3000:])
     for stage in STAGES:
-        proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-                        *args, "--zero_stage", str(stage), "--save_every", "2",
-                        "--output_dir", str(tmp / f"z{stage}")])
-        assert proc.returncode == 0, (stage, proc.stderr[-3000:])
         run = json.loads((tmp / f"z{stage}" / "run.json").read_text())
         losses = [json.loads(l)["loss"] for l in open(tmp / f"z{stage}" / "metrics.jsonl") if '"split"' not in l]
         out[stage] = (run, losses, tmp / f"z{stage}")
@@ -369,8 +369,7 @@ def test_cli_stage1_resume_is_exact(cli_runs, tmp_path):
     again = tmp_path / "again"
     shutil.copytree(out, again)
     shutil.rmtree(again / "checkpoints/step_4")
-    proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-                    "-m", "distcourse.train", "--config", str(ROOT / "configs/tiny.yaml"), "--zero_stage", "1",
+    proc = run_cli([*trainer_cmd(2), "--config", str(ROOT / "configs/tiny.yaml"), "--zero_stage", "1",
                     "--max_steps", "4", "--log_every", "1", "--eval_every", "0", "--save_every", "2",
                     "--tracker", "none", "--output_dir", str(again), "--resume", "latest"])
     assert proc.returncode == 0, proc.stderr[-3000:]
