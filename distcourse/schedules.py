@@ -7,7 +7,7 @@ __all__ = ['HAND', 'TORCH', 'check_schedule', 'chunks_per_rank', 'interleaved_ac
            'replay_actions', 'in_flight', 'run_schedule', 'sync_tied_chunks', 'virtual_stage', 'schedule_chunks',
            'torch_schedule', 'torch_schedule_step', 'sched_worker']
 
-# %% ../nbs/05f_schedules.ipynb #250dc8c1
+# %% ../nbs/05f_schedules.ipynb #45e6aa68
 import json
 import time
 from pathlib import Path
@@ -21,7 +21,7 @@ from .gpt import GPTConfig
 from .pipeline import (GPTStage, _gather, _report, _setup, bubble_fraction, pp_groups,
                                  schedule_actions, split_micro_batches, token_loss)
 
-# %% ../nbs/05f_schedules.ipynb #91ff7a0f
+# %% ../nbs/05f_schedules.ipynb #f7ee2ff6
 HAND = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the schedules this lesson writes out
 
 def check_schedule(schedule, # one of HAND
@@ -35,7 +35,8 @@ def check_schedule(schedule, # one of HAND
         raise ValueError(f"{schedule} needs micro_batches >= pp: micro_batches={m} < pp={pp}")
     if schedule == "interleaved" and (m % pp or v < 2):
         raise ValueError(f"interleaved needs v >= 2 chunks and micro_batches a multiple of pp: "
-                         f"v={v}, micro_batches={m}, pp={pp}; pass micro_batches={pp * max(1, m // pp)}")
+                         f"v={v}, micro_batches={m}, pp={pp}; "
+                         f"pass micro_batches={pp * max(1, m // pp)}")
 
 def chunks_per_rank(schedule, v=2) -> int:
     "Model chunks each rank holds: v for the interleaved schedule, else 1."
@@ -51,9 +52,9 @@ def interleaved_actions(rank, pp, m, v=2) -> list:
     for k in range(total - warmup): acts += [(*fwd(warmup + k), "F"), (*bwd(k), "B")]
     return acts + [(*bwd(k), "B") for k in range(total - warmup, total)]
 
-# %% ../nbs/05f_schedules.ipynb #b544940d
+# %% ../nbs/05f_schedules.ipynb #57cbf7dc
 def zb_h1_actions(rank, pp, m) -> list:
-    "ZB-H1 for `rank`: 1F1B's F and B (input gradient only), each W `rank` micro-batches after its B."
+    "ZB-H1 for `rank`: 1F1B's F and B (input gradient only); each W `rank` micro-batches late."
     acts = []
     for kind, i in schedule_actions("1f1b", rank, pp, m):
         acts.append((0, i, kind))
@@ -67,7 +68,7 @@ def actions(schedule, rank, pp, m, v=2) -> list:
     if schedule == "zb-h1": return zb_h1_actions(rank, pp, m)
     return [(0, i, kind) for kind, i in schedule_actions(schedule, rank, pp, m)]
 
-# %% ../nbs/05f_schedules.ipynb #f5292a6f
+# %% ../nbs/05f_schedules.ipynb #fcb4af32
 def needs(schedule, rank, act, pp, v=2):
     "The work (virtual stage, mb, kind) that `act` waits for on another stage, or None."
     n = chunks_per_rank(schedule, v)
@@ -79,43 +80,44 @@ def needs(schedule, rank, act, pp, v=2):
 
 def replay_actions(schedule, pp, m, v=2, t_f=1.0, t_b=1.0, t_w=1.0,
                    order=None) -> list: # each rank's list; None: actions(schedule, ...)
-    "Ideal timeline: per chunk F takes t_f/n, B t_b/n (t_b + t_w without a W), W t_w/n; messages free."
+    "Ideal timeline: a chunk's F takes t_f/n, B t_b/n (t_b + t_w unsplit), W t_w/n; free messages."
     n = chunks_per_rank(schedule, v)
     cost = {"F": t_f / n, "B": (t_b if schedule == "zb-h1" else t_b + t_w) / n, "W": t_w / n}
-    todo = [list(a) for a in order] if order else [actions(schedule, r, pp, m, v) for r in range(pp)]
+    todo = [list(a) for a in order or [actions(schedule, r, pp, m, v) for r in range(pp)]]
     done, clock, events = {}, [0.0] * pp, []
     while any(todo):
         ran = False
         for r in range(pp):
-            if not todo[r] or (need := needs(schedule, r, todo[r][0], pp, v)) not in done | {None: 0}:
-                continue
+            if not todo[r]: continue
+            need = needs(schedule, r, todo[r][0], pp, v)
+            if need is not None and need not in done: continue  # waits for another rank
             c, i, kind = todo[r].pop(0)
             start = max(clock[r], done.get(need, 0.0))
             done[(c * pp + r, i, kind)] = clock[r] = start + cost[kind]
             events.append(dict(stage=r, chunk=c, kind=kind, mb=i, start=start, end=clock[r]))
             ran = True
-        if not ran: raise RuntimeError(f"{schedule} with pp={pp}, m={m} waits on itself: a deadlock")
+        if not ran: raise RuntimeError(f"{schedule} with pp={pp}, m={m} waits on itself: deadlock")
     return events
 
 def in_flight(acts, split) -> int:
-    "Peak micro-batch chunks a rank holds: forward run, not yet released (by its W if split, else its B)."
+    "Peak micro-batch chunks a rank holds: forward run, not yet released (by W if split, else B)."
     held, peak = 0, 0
     for _, _, kind in acts:
         held += 1 if kind == "F" else -1 if kind == ("W" if split else "B") else 0
         peak = max(peak, held)
     return peak
 
-# %% ../nbs/05f_schedules.ipynb #1c4b60b6
+# %% ../nbs/05f_schedules.ipynb #6f44c1ba
 def _tag(vs, i, kind, m) -> int:  # one tag per message: a rank receives them in its own order
     return (2 * vs + (kind == "B")) * m + i
 
 def _recv(shape, src, tag, group, device):
-    "A tensor of `shape` from global rank `src`, the message tagged `tag`; blocks until it has arrived."
+    "A tensor of `shape` from global rank `src`, the message tagged `tag`; blocks until it arrives."
     t = torch.empty(shape, device=device)
     dist.recv(t, src, group=group, tag=tag)
     return t
 
-# %% ../nbs/05f_schedules.ipynb #60488dcb
+# %% ../nbs/05f_schedules.ipynb #1bc5310b
 def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage c·pp + rank
                  micro_batches, # [(x_i, y_i)], the same on every rank
                  schedule, groups): # one of HAND; pp_groups(pp)
@@ -129,40 +131,43 @@ def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage
         st, (x, y) = chunks[c], micro_batches[i]
         vs = st.stage  # this chunk's virtual stage
         if kind == "F" and not st.is_first:  # (b, T, C) from the virtual stage before
-            x = _recv((*x.shape, st.config.n_embd), ranks[(vs - 1) % pp], _tag(vs, i, "F", m), groups.pipe,
-                      device).requires_grad_()
-        if kind == "B" and not st.is_last:  # the gradient of this chunk's output, from the one after
-            grad = _recv(outputs[(c, i)].shape, ranks[(vs + 1) % pp], _tag(vs, i, "B", m), groups.pipe, device)
+            x = _recv((*x.shape, st.config.n_embd), ranks[(vs - 1) % pp], _tag(vs, i, "F", m),
+                      groups.pipe, device).requires_grad_()
+        if kind == "B" and not st.is_last:  # the gradient of this chunk's output, from the next
+            grad = _recv(outputs[(c, i)].shape, ranks[(vs + 1) % pp], _tag(vs, i, "B", m),
+                         groups.pipe, device)
         start = time.perf_counter()
         if kind == "F":
-            out = st(x)  # (b, T, C); the last virtual stage: logits, then its share of the batch's loss
+            out = st(x)  # (b, T, C); the last virtual stage: logits (b, T, V), then its loss share
             if st.is_last: out = token_loss(out, y, n_tokens)
-            inputs[(c, i)], outputs[(c, i)] = x, out  # held until released: the activations in flight
+            inputs[(c, i)], outputs[(c, i)] = x, out  # held until released: activations in flight
         elif kind == "B" and split:  # input gradient only; the graph stays for W
             out, grad = outputs[(c, i)], None if st.is_last else grad
             waiting_w[(c, i)] = (out, grad)
-            dx = None if st.is_first else torch.autograd.grad(out, inputs[(c, i)], grad, retain_graph=True)[0]
+            if not st.is_first:
+                dx = torch.autograd.grad(out, inputs[(c, i)], grad, retain_graph=True)[0]
         elif kind == "B":  # the whole backward: input and weight gradients, frees the graph
             torch.autograd.backward(outputs[(c, i)], None if st.is_last else grad)
             dx = None if st.is_first else inputs[(c, i)].grad
         else:  # W: the weight gradients that B left out
             torch.autograd.backward(*waiting_w.pop((c, i)), inputs=list(st.parameters()))
         if kind == ("W" if split else "B"): inputs.pop((c, i)), outputs.pop((c, i))
-        timeline.append(dict(stage=r, chunk=c, kind=kind, mb=i, start=start, end=time.perf_counter(),
-                             in_flight=len(outputs)))
+        timeline.append(dict(stage=r, chunk=c, kind=kind, mb=i, start=start,
+                             end=time.perf_counter(), in_flight=len(outputs)))
         if kind == "F" and st.is_last: loss += out.detach()
-        elif kind == "F": sends.append(dist.isend(out.detach(), ranks[(vs + 1) % pp], group=groups.pipe,
-                                                  tag=_tag(vs + 1, i, "F", m)))
+        elif kind == "F": sends.append(dist.isend(out.detach(), ranks[(vs + 1) % pp],
+                                                  group=groups.pipe, tag=_tag(vs + 1, i, "F", m)))
         elif kind == "B" and not st.is_first:
-            sends.append(dist.isend(dx, ranks[(vs - 1) % pp], group=groups.pipe, tag=_tag(vs - 1, i, "B", m)))
+            sends.append(dist.isend(dx, ranks[(vs - 1) % pp], group=groups.pipe,
+                                    tag=_tag(vs - 1, i, "B", m)))
     for work in sends: work.wait()
     sync_tied_chunks(chunks, groups)
     dist.all_reduce(loss, group=groups.pipe)  # only the last virtual stage's rank added its losses
     return loss, timeline
 
-# %% ../nbs/05f_schedules.ipynb #1d097fbb
+# %% ../nbs/05f_schedules.ipynb #c91ed036
 def sync_tied_chunks(chunks, groups):
-    "Sum the tied matrix's two copies' gradients: on one rank (V-shape) or across first and last rank."
+    "Sum the tied matrix's two copies' gradients: on one rank (V-shape) or over first and last."
     tied = [st.transformer.wte.weight if st.is_first else st.lm_head.weight
             for st in chunks if st.is_first or st.is_last]
     if len(tied) == 2:  # both copies here (rank 0 of a V-shape): add them locally
@@ -176,27 +181,30 @@ TORCH = {"interleaved": (ScheduleInterleaved1F1B, "loop"),      # Megatron's int
          "dualpipev": (ScheduleDualPipeV, "v")}                 # DeepSeek's DualPipe, V-shaped
 
 def virtual_stage(name, chunk, rank, pp, v=2) -> int:
-    "The virtual stage that `chunk` of `rank` holds: c·pp + r (looped) or, V-shaped, r then 2·pp − 1 − r."
+    "The virtual stage `chunk` of `rank` holds: c·pp + r (looped); V-shaped r, then 2·pp − 1 − r."
     if TORCH.get(name, (None, "loop"))[1] == "v": return rank if chunk == 0 else 2 * pp - 1 - rank
     return chunk * pp + rank
 
 def schedule_chunks(model, rank, pp, name, v=2) -> list:
     "This rank's chunks of `model` for schedule `name` (one of HAND or TORCH), as GPTStages."
-    n = 2 if TORCH.get(name, (None, "loop"))[1] == "v" else chunks_per_rank(name, v) if name in HAND else v
+    n = chunks_per_rank(name, v) if name in HAND else v
+    if TORCH.get(name, (None, "loop"))[1] == "v": n = 2  # a V has two arms
     return [GPTStage(model, virtual_stage(name, c, rank, pp, n), pp * n) for c in range(n)]
 
-# %% ../nbs/05f_schedules.ipynb #227b98f5
+# %% ../nbs/05f_schedules.ipynb #b6c41b69
 def torch_schedule(name,          # "interleaved", "zb", "zbv" or "dualpipev"
                    chunks,        # this rank's GPTStages from schedule_chunks
                    micro_batches, # m
-                   loss_fn, group): # loss_fn(logits, targets) on the last virtual stage; the pipeline's
+                   loss_fn,       # loss_fn(logits, targets), on the last virtual stage
+                   group):        # the pipeline's process group
     "PyTorch's schedule `name` over this rank's chunks: the entry point a trainer calls."
     if name not in TORCH: raise ValueError(f"schedule={name!r}: choose one of {tuple(TORCH)}")
     device = next(chunks[0].parameters()).device
     stages = [PipelineStage(st, st.stage, st.pp, device, group=group) for st in chunks]
     return TORCH[name][0](stages, micro_batches, loss_fn=loss_fn, scale_grads=False)  # token shares
 
-def torch_schedule_step(chunks, x, y, micro_batches, name, groups): # whole batch (B, T), ids and targets
+def torch_schedule_step(chunks, x, y, # this rank's chunks; the whole batch (B, T): ids, targets
+                        micro_batches, name, groups):
     "One step of PyTorch's schedule `name`; the batch's loss (every rank)."
     n_tokens = (y != -100).sum()
     def loss_fn(logits, targets): return token_loss(logits, targets, n_tokens)
@@ -208,13 +216,14 @@ def torch_schedule_step(chunks, x, y, micro_batches, name, groups): # whole batc
     dist.all_reduce(loss, group=groups.pipe)
     return loss
 
-# %% ../nbs/05f_schedules.ipynb #6e0f0100
+# %% ../nbs/05f_schedules.ipynb #c132bc56
 def sched_worker(out_dir, pp, micro_batches=4, hand=HAND, torch_names=(), v=2,
                  config=None,   # GPTConfig fields; a tiny model of pp·v blocks when None
                  batch_size=8, seq_len=16, seed=0,
                  reps=1):       # steps per schedule, the last one kept
     "Worker: each schedule's step vs one process; rank 0 writes sched{pp}.json."
-    cfg = GPTConfig(**(config or dict(vocab_size=64, n_positions=32, n_layer=pp * v, n_head=4, n_embd=32)))
+    tiny = dict(vocab_size=64, n_positions=32, n_layer=pp * v, n_head=4, n_embd=32)
+    cfg = GPTConfig(**(config or tiny))
     for name in hand: check_schedule(name, pp, micro_batches, v)  # refuse before any process group
     dist.init_process_group("gloo")
     rank, groups = dist.get_rank(), pp_groups(pp)
@@ -225,14 +234,17 @@ def sched_worker(out_dir, pp, micro_batches=4, hand=HAND, torch_names=(), v=2,
         for _ in range(reps):
             for st in chunks: st.zero_grad()
             dist.barrier()  # start together: the timeline shows the schedule, not the launch
-            if api == "torch": loss, timeline = torch_schedule_step(chunks, x, y, micro_batches, name, groups), []
-            else: loss, timeline = run_schedule(chunks, split_micro_batches(x, y, micro_batches), name, groups)
+            if api == "torch":
+                loss, timeline = torch_schedule_step(chunks, x, y, micro_batches, name, groups), []
+            else:
+                mbs = split_micro_batches(x, y, micro_batches)
+                loss, timeline = run_schedule(chunks, mbs, name, groups)
         grads = _gather({n: p.grad for st in chunks for n, p in st.named_parameters()})
         events = _gather(timeline)
         if rank == 0:
-            out = res[api][name] = _report("torch", loss, grads, events, want, pp)  # loss, gradients
+            out = res[api][name] = _report("torch", loss, grads, events, want, pp)  # no timeline
             out.pop("grads")
-            if api == "hand": out.update(timeline=[e for ev in events for e in ev],
-                                         bubble=bubble_fraction([e for ev in events for e in ev], pp))
+            flat = [e for ev in events for e in ev]
+            if api == "hand": out.update(timeline=flat, bubble=bubble_fraction(flat, pp))
     if rank == 0: Path(out_dir, f"sched{pp}.json").write_text(json.dumps(res))
     dist.barrier()

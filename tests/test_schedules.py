@@ -1,10 +1,13 @@
-"Pipeline schedules past 1F1B on real processes (gloo): the lists, by hand and PyTorch's, equal to one process."
+"Pipeline schedules past 1F1B on gloo: the lists; by hand and PyTorch's, equal to one process."
 import json
 import re
 
+import fastcore.test as fc
 import pytest
+import torch.distributed as dist
 
-from conftest import run_worker
+import distcourse.schedules as sch
+from conftest import ROOT, run_worker
 from distcourse.pipeline import bubble_fraction
 from distcourse.schedules import (HAND, TORCH, actions, check_schedule, chunks_per_rank, in_flight,
                                   needs, replay_actions, sched_worker)
@@ -12,10 +15,13 @@ from distcourse.schedules import (HAND, TORCH, actions, check_schedule, chunks_p
 TOL = 1e-6  # fp32; measured ≤ 1.9e-8 against one process (sums in another order)
 
 
-def launch_worker(tmp_path, **kw):
-    "`sched_worker(tmp_path, **kw)` on 2 processes, a fresh interpreter and a timeout; its json."
-    run_worker("schedules", "sched_worker", tmp_path, 2, timeout=180, pp=2, **kw)  # a hang fails, not stalls
-    return json.loads((tmp_path / "sched2.json").read_text())
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    "One launch on 2 processes, m = 4: interleaved 1F1B and ZB-H1 by hand, then PyTorch's four."
+    out = tmp_path_factory.mktemp("sched")
+    run_worker("schedules", "sched_worker", out, 2, timeout=180,  # a hang fails, not stalls
+               pp=2, micro_batches=4, hand=("interleaved", "zb-h1"), torch_names=tuple(TORCH))
+    return json.loads((out / "sched2.json").read_text())
 
 
 def assert_equal_to_one_process(res, api, names):
@@ -26,25 +32,19 @@ def assert_equal_to_one_process(res, api, names):
         assert out["missing"] == [], (api, name, out["missing"])  # every parameter was compared
 
 
-@pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    "One launch on 2 processes, m = 4: interleaved 1F1B and ZB-H1 by hand, then PyTorch's four schedules."
-    return launch_worker(tmp_path_factory.mktemp("sched"), micro_batches=4, hand=("interleaved", "zb-h1"),
-                         torch_names=tuple(TORCH))
-
-
 def test_by_hand_equal_to_one_process(res):
-    "Interleaved 1F1B and ZB-H1 by hand: loss and every gradient; each rank's order and holdings."
+    "Interleaved 1F1B and ZB-H1 by hand: loss, every gradient, each rank's order and holdings."
     assert_equal_to_one_process(res, "hand", ("interleaved", "zb-h1"))
     for name, out in res["hand"].items():
         for r in range(2):
             mine = sorted((e for e in out["timeline"] if e["stage"] == r), key=lambda e: e["start"])
-            assert [(e["chunk"], e["mb"], e["kind"]) for e in mine] == actions(name, r, 2, 4)
-            assert max(e["in_flight"] for e in mine) == in_flight(actions(name, r, 2, 4), name == "zb-h1")
+            want = actions(name, r, 2, 4)
+            assert [(e["chunk"], e["mb"], e["kind"]) for e in mine] == want
+            assert max(e["in_flight"] for e in mine) == in_flight(want, name == "zb-h1")
 
 
 def test_torch_schedules_equal_to_one_process(res):
-    "ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV."
+    "Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV, PyTorch's."
     assert_equal_to_one_process(res, "torch", tuple(TORCH))
 
 
@@ -68,11 +68,11 @@ def test_schedule_lists(schedule, p, m):
     assert bubble_fraction(events, p) == pytest.approx(ratio / (1 + ratio))
 
 
-def test_a_broken_list_is_caught(monkeypatch):
-    "A rank that runs a B before the gradient it needs can come: the replay names the deadlock."
+def test_a_broken_list_is_caught():
+    "Rank 0 runs B0 before F1, rank 1 leaves B0 last: each waits for the other, the replay says so."
     order = [actions("1f1b", r, 2, 4) for r in range(2)]
-    order[0] = [order[0][1], order[0][0], *order[0][2:]]  # rank 0: F0 B0 F1 …: B0 needs rank 1's B0 ← F1
-    order[1] = [a for a in order[1] if a != (0, 0, "B")] + [(0, 0, "B")]  # rank 1's B0 last
+    order[0] = [order[0][1], order[0][0], *order[0][2:]]  # rank 0: F0 B0 F1 …
+    order[1] = [a for a in order[1] if a != (0, 0, "B")] + [(0, 0, "B")]  # rank 1 waits for F1
     with pytest.raises(RuntimeError, match="deadlock"): replay_actions("1f1b", 2, 4, order=order)
 
 
@@ -84,31 +84,33 @@ def test_check_schedule(args, message):
 
 
 def test_worker_refuses_before_process_group(tmp_path):
-    import torch.distributed as dist
-    with pytest.raises(ValueError, match="multiple of pp"): sched_worker(tmp_path, pp=4, micro_batches=6)
+    with pytest.raises(ValueError, match="multiple of pp"):
+        sched_worker(tmp_path, pp=4, micro_batches=6)
     assert not dist.is_initialized()
 
 
 def test_exercise_checks_refuse_wrong_answers():
-    "The lesson's exercise checks, run from the notebook: right answers pass, plausible wrong ones fail."
-    import fastcore.test as fc
-    import distcourse.schedules as sch
-    from conftest import ROOT
+    "The lesson's exercise checks, from the notebook: right answers pass, plausible wrong ones fail."
     nb = json.loads((ROOT / "nbs" / "05f_schedules.ipynb").read_text())
-    cell = next("".join(c["source"]) for c in nb["cells"] if "def check_held" in "".join(c["source"]))
-    scope = {**vars(sch), "test_eq": fc.test_eq, "test_close": fc.test_close, "bubble_fraction": bubble_fraction}
+    cells = ("".join(c["source"]) for c in nb["cells"])
+    cell = next(c for c in cells if "def check_held" in c)
+    scope = {**vars(sch), "bubble_fraction": bubble_fraction}
+    scope.update(test_eq=fc.test_eq, test_close=fc.test_close)
     exec(cell, scope)
-    scope["check_interleaved_share"](3 / 19)
-    fc.test_fail(lambda: scope["check_interleaved_share"](3 / 11), contains="close")  # v forgotten
-    fc.test_fail(lambda: scope["check_interleaved_share"](3 / 16), contains="close")  # ratio, not share
-    scope["check_min_micro_batches"](16)
-    fc.test_fail(lambda: scope["check_min_micro_batches"](28), contains="==")  # v forgotten
-    fc.test_fail(lambda: scope["check_min_micro_batches"](14), contains="==")  # not a multiple of p
-    scope["check_held"](1, 8, 9)
-    fc.test_fail(lambda: scope["check_held"](1, 1, 9), contains="==")  # B taken to free the activations
-    def eager(rank, pp, m):
+    share, least, held, eager = (scope[f"check_{n}"] for n in
+                                 ("interleaved_share", "min_micro_batches", "held", "eager"))
+    share(3 / 19)
+    fc.test_fail(lambda: share(3 / 11), contains="close")  # v forgotten: 1F1B's bubble
+    fc.test_fail(lambda: share(3 / 16), contains="close")  # the ratio, not the share of the step
+    least(16)
+    fc.test_fail(lambda: least(28), contains="==")  # v forgotten
+    fc.test_fail(lambda: least(14), contains="==")  # not a multiple of p
+    held(1, 8, 9)
+    fc.test_fail(lambda: held(1, 1, 9), contains="==")  # B taken to free what W still needs
+    def zb_eager(rank, pp, m):
         out = []
-        for c, i, kind in sch.actions("1f1b", rank, pp, m): out += [(c, i, kind)] + [(c, i, "W")] * (kind == "B")
+        for c, i, kind in actions("1f1b", rank, pp, m):
+            out += [(c, i, kind)] + [(c, i, "W")] * (kind == "B")
         return out
-    scope["check_eager"](eager)
-    fc.test_fail(lambda: scope["check_eager"](sch.zb_h1_actions), contains="==")  # holds p on every rank
+    eager(zb_eager)
+    fc.test_fail(lambda: eager(sch.zb_h1_actions), contains="==")  # ZB-H1 holds p on every rank
