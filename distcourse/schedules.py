@@ -7,7 +7,7 @@ __all__ = ['HAND', 'TORCH', 'check_schedule', 'chunks_per_rank', 'interleaved_ac
            'replay_actions', 'in_flight', 'run_schedule', 'sync_tied_chunks', 'virtual_stage', 'schedule_chunks',
            'torch_schedule', 'torch_schedule_step', 'sched_worker']
 
-# %% ../nbs/05f_schedules.ipynb #45e6aa68
+# %% ../nbs/05f_schedules.ipynb #0d206fc9
 import json
 import time
 from pathlib import Path
@@ -21,7 +21,7 @@ from .gpt import GPTConfig
 from .pipeline import (GPTStage, _gather, _report, _setup, bubble_fraction, pp_groups,
                                  schedule_actions, split_micro_batches, token_loss)
 
-# %% ../nbs/05f_schedules.ipynb #f7ee2ff6
+# %% ../nbs/05f_schedules.ipynb #75f1d40a
 HAND = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the schedules this lesson writes out
 
 def check_schedule(schedule, # one of HAND
@@ -52,7 +52,7 @@ def interleaved_actions(rank, pp, m, v=2) -> list:
     for k in range(total - warmup): acts += [(*fwd(warmup + k), "F"), (*bwd(k), "B")]
     return acts + [(*bwd(k), "B") for k in range(total - warmup, total)]
 
-# %% ../nbs/05f_schedules.ipynb #57cbf7dc
+# %% ../nbs/05f_schedules.ipynb #61cab6ee
 def zb_h1_actions(rank, pp, m) -> list:
     "ZB-H1 for `rank`: 1F1B's F and B (input gradient only); each W `rank` micro-batches late."
     acts = []
@@ -68,7 +68,7 @@ def actions(schedule, rank, pp, m, v=2) -> list:
     if schedule == "zb-h1": return zb_h1_actions(rank, pp, m)
     return [(0, i, kind) for kind, i in schedule_actions(schedule, rank, pp, m)]
 
-# %% ../nbs/05f_schedules.ipynb #fcb4af32
+# %% ../nbs/05f_schedules.ipynb #323425aa
 def needs(schedule, rank, act, pp, v=2):
     "The work (virtual stage, mb, kind) that `act` waits for on another stage, or None."
     n = chunks_per_rank(schedule, v)
@@ -107,7 +107,7 @@ def in_flight(acts, split) -> int:
         peak = max(peak, held)
     return peak
 
-# %% ../nbs/05f_schedules.ipynb #6f44c1ba
+# %% ../nbs/05f_schedules.ipynb #07bb4a90
 def _tag(vs, i, kind, m) -> int:  # one tag per message: a rank receives them in its own order
     return (2 * vs + (kind == "B")) * m + i
 
@@ -117,7 +117,7 @@ def _recv(shape, src, tag, group, device):
     dist.recv(t, src, group=group, tag=tag)
     return t
 
-# %% ../nbs/05f_schedules.ipynb #1bc5310b
+# %% ../nbs/05f_schedules.ipynb #c599d0f5
 def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage c·pp + rank
                  micro_batches, # [(x_i, y_i)], the same on every rank
                  schedule, groups): # one of HAND; pp_groups(pp)
@@ -165,7 +165,7 @@ def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage
     dist.all_reduce(loss, group=groups.pipe)  # only the last virtual stage's rank added its losses
     return loss, timeline
 
-# %% ../nbs/05f_schedules.ipynb #c91ed036
+# %% ../nbs/05f_schedules.ipynb #85f9e9f9
 def sync_tied_chunks(chunks, groups):
     "Sum the tied matrix's two copies' gradients: on one rank (V-shape) or over first and last."
     tied = [st.transformer.wte.weight if st.is_first else st.lm_head.weight
@@ -191,7 +191,7 @@ def schedule_chunks(model, rank, pp, name, v=2) -> list:
     if TORCH.get(name, (None, "loop"))[1] == "v": n = 2  # a V has two arms
     return [GPTStage(model, virtual_stage(name, c, rank, pp, n), pp * n) for c in range(n)]
 
-# %% ../nbs/05f_schedules.ipynb #b6c41b69
+# %% ../nbs/05f_schedules.ipynb #83b753e6
 def torch_schedule(name,          # "interleaved", "zb", "zbv" or "dualpipev"
                    chunks,        # this rank's GPTStages from schedule_chunks
                    micro_batches, # m
@@ -216,7 +216,7 @@ def torch_schedule_step(chunks, x, y, # this rank's chunks; the whole batch (B, 
     dist.all_reduce(loss, group=groups.pipe)
     return loss
 
-# %% ../nbs/05f_schedules.ipynb #c132bc56
+# %% ../nbs/05f_schedules.ipynb #2d5974ea
 def sched_worker(out_dir, pp, micro_batches=4, hand=HAND, torch_names=(), v=2,
                  config=None,   # GPTConfig fields; a tiny model of pp·v blocks when None
                  batch_size=8, seq_len=16, seed=0,
