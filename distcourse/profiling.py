@@ -7,7 +7,7 @@ __all__ = ['STEP', 'BACKWARD', 'COMM_PREFIXES', 'profile_steps', 'union', 'total
            'read_trace', 'step_times', 'exposed_summary', 'mlp', 'overlap_worker', 'predicted_exposed_s',
            'exposed_comm_fraction']
 
-# %% ../nbs/03b_profiling.ipynb #4fe0ede7
+# %% ../nbs/03b_profiling.ipynb #b97ad701
 import json
 import statistics
 import tempfile
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from .comm import predicted_all_reduce_s
 
-# %% ../nbs/03b_profiling.ipynb #afb79341
+# %% ../nbs/03b_profiling.ipynb #c4662784
 STEP, BACKWARD = "distcourse:step", "distcourse:backward"  # the annotations the reader looks for
 
 def profile_steps(step,   # a function that runs one training step
@@ -35,7 +35,7 @@ def profile_steps(step,   # a function that runs one training step
     prof.export_chrome_trace(str(path))
     return Path(path)
 
-# %% ../nbs/03b_profiling.ipynb #45fad43b
+# %% ../nbs/03b_profiling.ipynb #12b553df
 def union(spans) -> list:
     "`spans` [(start, end)] merged: sorted, disjoint intervals covering the same time."
     out = []
@@ -64,7 +64,7 @@ def clip(spans, window) -> list:
     lo, hi = window
     return [(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]
 
-# %% ../nbs/03b_profiling.ipynb #a94bdd00
+# %% ../nbs/03b_profiling.ipynb #83be2833
 COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")  # collectives, and their calls
 
 def is_comm(name) -> bool:
@@ -91,12 +91,14 @@ def read_trace(path) -> dict:
     comm = {}
     for e in events:
         if is_comm(e["name"]): comm.setdefault(e["tid"], []).append(ms(e))
+    calls = comm.get(main, [])
     ops = [ms(e) for e in events
            if e["tid"] == main and e.get("cat") == "cpu_op" and not is_comm(e["name"])]
+    ops = [(s, e) for s, e in ops if not any(s <= cs and ce <= e for cs, ce in calls)]  # may wait
     names = thread_names(every)
     return {"steps": [ms(e) for e in steps],
             "backward": [ms(e) for e in events if e["name"] == BACKWARD],
-            "compute": minus(ops, comm.get(main, [])),  # an op inside a collective call waits
+            "compute": minus(ops, calls),
             "comm": comm, "main": main,
             "threads": {tid: names.get(tid, str(tid)) for tid in {main, *comm}},
             "start": t0 / 1e3}  # the first step on the machine's clock, which its processes share
@@ -111,31 +113,30 @@ def step_times(trace) -> list:
                      "exposed": total(minus(comm, compute))})  # no compute beside it
     return rows
 
-def exposed_summary(trace) -> dict:
+def exposed_summary(*traces) -> dict:
     "Exposed share of all the steps' communication; median step, comm and exposed seconds."
-    rows = step_times(trace)
+    rows = [row for trace in traces for row in step_times(trace)]
     med = {k: statistics.median(r[k] for r in rows) / 1e3 for k in ("step", "comm", "exposed")}
     comm = sum(r["comm"] for r in rows)
     return {"exposed_fraction": sum(r["exposed"] for r in rows) / comm if comm else 0.0,
             "step_s": med["step"], "comm_s": med["comm"], "exposed_s": med["exposed"]}
 
-# %% ../nbs/03b_profiling.ipynb #749eef2f
+# %% ../nbs/03b_profiling.ipynb #9960f118
 def mlp(width=512, layers=8) -> nn.Sequential:
     "`layers` equal Linear + ReLU layers: equal gradients (width² + width), equal backward times."
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
 
-def overlap_worker(out_dir,   # each rank writes `{variant}-rank{r}.json`, rank 0 `buckets.json`
+def overlap_worker(out_dir,   # each rank writes `{variant}-rank{r}-{round}.json`, rank 0 `buckets.json`
                    variants,  # {name: bucket_cap_mb, or None: no_sync, then all-reduces}
-                   width=512, layers=8, batch=64, steps=3, warmup=2):
-    "Worker: a DDP step of `mlp` on gloo, profiled for each variant; traces and bucket sizes."
+                   width=512, layers=8, batch=64, steps=3, rounds=1, warmup=2):
+    "Worker: DDP steps of `mlp` on gloo, each variant profiled in turn, `rounds` times over."
     dist.init_process_group("gloo")  # CPU on purpose: the trace shows gloo's threads
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = mlp(width, layers)
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(batch, width, generator=g, device=next(model.parameters()).device)
-    buckets = {}
-    for name, cap in variants.items():
+    x = torch.randn(batch, width, generator=g)  # CPU on purpose: gloo's CPU processes
+    def make_step(cap):
+        torch.manual_seed(0)  # every variant its own copy of the same model, kept for every round
+        model = mlp(width, layers)
         ddp = DistributedDataParallel(model, bucket_cap_mb=cap or 25)
         def step():
             if cap is None:  # every gradient computed, then each all-reduced: nothing overlaps
@@ -145,15 +146,20 @@ def overlap_worker(out_dir,   # each rank writes `{variant}-rank{r}.json`, rank 
                 with record_function(BACKWARD): ddp(x).square().mean().backward()
             model.zero_grad(set_to_none=False)
         for _ in range(warmup): step()  # DDP rebuilds its buckets after the first step
-        profile_steps(step, steps, Path(out_dir, f"{name}-rank{rank}.json"))
-        sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")  # bytes, in order
-        buckets[name] = ([int(s) for s in sizes.split(",")] if cap is not None and sizes
-                         else [p.numel() * p.element_size() for p in model.parameters()])
-        del ddp
+        return step, ddp
+    made = {name: make_step(cap) for name, cap in variants.items()}
+    for k in range(rounds):  # taking turns: a machine's slow moments fall on every variant alike
+        for name, (step, _) in made.items():
+            profile_steps(step, steps, Path(out_dir, f"{name}-rank{rank}-{k}.json"))
+    buckets = {}
+    for name, (_, ddp) in made.items():  # DDP logs its rebuilt buckets' bytes after a few steps
+        sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes", "")
+        buckets[name] = ([int(s) for s in sizes.split(",")] if variants[name] is not None and sizes
+                         else [p.numel() * p.element_size() for p in ddp.module.parameters()])
     if rank == 0: Path(out_dir, "buckets.json").write_text(json.dumps(buckets))
     dist.barrier()
 
-# %% ../nbs/03b_profiling.ipynb #71d4e449
+# %% ../nbs/03b_profiling.ipynb #28dbf195
 def predicted_exposed_s(bucket_bytes,  # each bucket's payload, in the order DDP all-reduces them
                         rows,          # all-reduce timings from `comm_worker`, one world size
                         backward_s,    # backward's compute time, measured with no communication
@@ -167,7 +173,7 @@ def predicted_exposed_s(bucket_bytes,  # each bucket's payload, in the order DDP
         end = max(end, ready) + predicted_all_reduce_s(rows, b)  # waits for the previous one
     return max(0.0, end - backward_s)
 
-# %% ../nbs/03b_profiling.ipynb #5ca03b53
+# %% ../nbs/03b_profiling.ipynb #826d235f
 def exposed_comm_fraction(bucket_cap_mb=2,  # DDP's bucket MiB; None: no overlap
                           width=512, layers=8,  # the model: `mlp(width, layers)`
                           batch=64, steps=3,    # rows per rank; steps profiled after 2 of warm-up
@@ -180,4 +186,4 @@ def exposed_comm_fraction(bucket_cap_mb=2,  # DDP's bucket MiB; None: no overlap
         d.mkdir(parents=True, exist_ok=True)
         args = (d, {"run": bucket_cap_mb}, width, layers, batch, steps)
         launch(overlap_worker, args, num_processes=2)
-        return exposed_summary(read_trace(d / "run-rank0.json"))
+        return exposed_summary(read_trace(d / "run-rank0-0.json"))

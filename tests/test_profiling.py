@@ -33,23 +33,27 @@ def test_reader_exact(tmp_path):
     events = [X(STEP, 7, 0, 100, "user_annotation"), X(STEP, 7, 100, 150, "user_annotation"),
               X(BACKWARD, 7, 0, 90, "user_annotation"),
               X("aten::mm", 7, 0, 40), X("aten::mm", 7, 10, 20),                 # nested: counted once
-              X("autograd::engine::evaluate_function: AccumulateGrad", 7, 40, 60),
-              X("c10d::allreduce_", 7, 50, 60),                                   # the call inside it: not compute
+              X("autograd::engine::evaluate_function: AccumulateGrad", 7, 40, 60),  # calls a collective:
+              X("aten::copy_", 7, 40, 45), X("aten::copy_", 7, 45, 50),  # its ops count, not its waits
+              X("c10d::allreduce_", 7, 50, 55),
+              X("_G", 7, 85, 98), X("aten::clone", 7, 85, 88), X("c10d::allreduce_", 7, 88, 89),  # waits 89-98
               X("aten::add", 7, 70, 80),
               X("gloo:all_reduce", 8, 55, 75, "user_annotation"),
               X("gloo:all_reduce", 9, 65, 85, "user_annotation"),               # the second gloo thread
+              X("gloo:all_reduce", 8, 88, 98, "user_annotation"),
               X("aten::mul", 7, 100, 130), X("gloo:all_reduce", 8, 120, 140, "user_annotation")]
     t = read_trace(write(tmp_path / "t.json", events))
     assert t["steps"] == [(0, 100), (100, 150)] and t["backward"] == [(0, 90)] and t["main"] == 7
-    assert t["compute"] == [(0, 50), (70, 80), (100, 130)]
+    assert t["compute"] == [(0, 50), (70, 80), (85, 88), (100, 130)]
     assert t["threads"] == {7: "thread 7 (python)", 8: "thread 8 (pt_gloo_runloop)",
                             9: "thread 9 (pt_gloo_runloop)"}
-    # step 1: communication 50-85 (35 ms), compute beside it 70-80: exposed 50-70 and 80-85
+    # step 1: communication 50-85 and 88-98 (45 ms), compute beside it 70-80: exposed 50-70, 80-85, 88-98
     # step 2: communication 120-140, compute until 130: exposed 130-140
-    assert step_times(t) == [{"step": 100, "compute": 60, "comm": 35, "exposed": 25},
+    assert step_times(t) == [{"step": 100, "compute": 63, "comm": 45, "exposed": 35},
                              {"step": 50, "compute": 30, "comm": 20, "exposed": 10}]
+    assert exposed_summary(t, t) == exposed_summary(t)  # two traces of the same steps: the same shares
     s = exposed_summary(t)
-    assert s["exposed_fraction"] == pytest.approx(35 / 55) and s["step_s"] == pytest.approx(0.075)
+    assert s["exposed_fraction"] == pytest.approx(45 / 65) and s["step_s"] == pytest.approx(0.075)
 
 
 def test_predicted_exposed():
@@ -74,7 +78,7 @@ def test_ddp_no_overlap_on_two_processes(tmp_path):
     assert set(out) == {"exposed_fraction", "step_s", "comm_s", "exposed_s"}
     assert 0 <= out["exposed_s"] <= out["comm_s"] and 0 <= out["exposed_fraction"] <= 1 and out["step_s"] > 0
     for rank in (0, 1):
-        path = tmp_path / f"run-rank{rank}.json"
+        path = tmp_path / f"run-rank{rank}-0.json"
         events = json.loads(path.read_text())["traceEvents"]
         gloo = [e for e in events if e.get("name") == "gloo:all_reduce"]
         t = read_trace(path)
