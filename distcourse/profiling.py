@@ -7,7 +7,7 @@ __all__ = ['STEP', 'BACKWARD', 'COMM_PREFIXES', 'profile_steps', 'union', 'total
            'read_trace', 'step_times', 'exposed_summary', 'mlp', 'overlap_worker', 'predicted_exposed_s',
            'exposed_comm_fraction']
 
-# %% ../nbs/03b_profiling.ipynb #fc66ef71
+# %% ../nbs/03b_profiling.ipynb #6f20990b
 import json
 import statistics
 import tempfile
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from .comm import predicted_all_reduce_s
 
-# %% ../nbs/03b_profiling.ipynb #7df2b91c
+# %% ../nbs/03b_profiling.ipynb #70734b77
 STEP, BACKWARD = "distcourse:step", "distcourse:backward"  # the annotations the reader looks for
 
 def profile_steps(step,   # a function that runs one training step
@@ -35,7 +35,7 @@ def profile_steps(step,   # a function that runs one training step
     prof.export_chrome_trace(str(path))
     return Path(path)
 
-# %% ../nbs/03b_profiling.ipynb #6b864b72
+# %% ../nbs/03b_profiling.ipynb #dd67c965
 def union(spans) -> list:
     "`spans` [(start, end)] merged: sorted, disjoint intervals covering the same time."
     out = []
@@ -64,7 +64,7 @@ def clip(spans, window) -> list:
     lo, hi = window
     return [(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]
 
-# %% ../nbs/03b_profiling.ipynb #91583abd
+# %% ../nbs/03b_profiling.ipynb #a9954967
 COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")  # collectives, and their calls
 
 def is_comm(name) -> bool:
@@ -121,7 +121,7 @@ def exposed_summary(*traces) -> dict:
     return {"exposed_fraction": sum(r["exposed"] for r in rows) / comm if comm else 0.0,
             "step_s": med["step"], "comm_s": med["comm"], "exposed_s": med["exposed"]}
 
-# %% ../nbs/03b_profiling.ipynb #26b85c32
+# %% ../nbs/03b_profiling.ipynb #88ad9a5a
 def mlp(width=512, layers=8) -> nn.Sequential:
     "`layers` equal Linear + ReLU layers: equal gradients (width² + width), equal backward times."
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
@@ -159,7 +159,7 @@ def overlap_worker(out_dir,   # each rank writes `{variant}-rank{r}-{round}.json
     if rank == 0: Path(out_dir, "buckets.json").write_text(json.dumps(buckets))
     dist.barrier()
 
-# %% ../nbs/03b_profiling.ipynb #080f58dd
+# %% ../nbs/03b_profiling.ipynb #5ed21174
 def predicted_exposed_s(bucket_bytes,  # each bucket's payload, in the order DDP all-reduces them
                         rows,          # all-reduce timings from `comm_worker`, one world size
                         backward_s,    # backward's compute time, measured with no communication
@@ -173,7 +173,7 @@ def predicted_exposed_s(bucket_bytes,  # each bucket's payload, in the order DDP
         end = max(end, ready) + predicted_all_reduce_s(rows, b)  # waits for the previous one
     return max(0.0, end - backward_s)
 
-# %% ../nbs/03b_profiling.ipynb #a5968c94
+# %% ../nbs/03b_profiling.ipynb #360c140c
 def exposed_comm_fraction(bucket_cap_mb=2,  # DDP's bucket MiB; None: no overlap
                           width=512, layers=8,  # the model: `mlp(width, layers)`
                           batch=64, steps=3,    # rows per rank; steps profiled after 2 of warm-up
