@@ -7,7 +7,7 @@ __all__ = ['STEP', 'BACKWARD', 'COMM_PREFIXES', 'profile_steps', 'union', 'total
            'read_trace', 'step_times', 'exposed_summary', 'mlp', 'overlap_worker', 'predicted_exposed_s',
            'exposed_comm_fraction']
 
-# %% ../nbs/03b_profiling.ipynb #6821c38c
+# %% ../nbs/03b_profiling.ipynb #a964a9f1
 import json
 import statistics
 import tempfile
@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from .comm import predicted_all_reduce_s
 
-# %% ../nbs/03b_profiling.ipynb #5b2807c5
+# %% ../nbs/03b_profiling.ipynb #54638552
 STEP, BACKWARD = "distcourse:step", "distcourse:backward"  # the annotations the reader looks for
 
 def profile_steps(step,   # a function that runs one training step
@@ -35,7 +35,7 @@ def profile_steps(step,   # a function that runs one training step
     prof.export_chrome_trace(str(path))
     return Path(path)
 
-# %% ../nbs/03b_profiling.ipynb #05e91e04
+# %% ../nbs/03b_profiling.ipynb #1aad0420
 def union(spans) -> list:
     "`spans` [(start, end)] merged: sorted, disjoint intervals covering the same time."
     out = []
@@ -64,7 +64,7 @@ def clip(spans, window) -> list:
     lo, hi = window
     return [(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]
 
-# %% ../nbs/03b_profiling.ipynb #147d6126
+# %% ../nbs/03b_profiling.ipynb #a5825df6
 COMM_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")  # collectives, and their calls
 
 def is_comm(name) -> bool:
@@ -79,7 +79,7 @@ def thread_names(every) -> dict:
             if "python" in names.get(e["tid"], "python"): names[e["tid"]] = e["args"]["name"]
     return names
 
-# %% ../nbs/03b_profiling.ipynb #14679c9c
+# %% ../nbs/03b_profiling.ipynb #1d0540a9
 def read_trace(path) -> dict:
     "A Chrome trace as ms intervals: steps, compute (main thread), comm by thread."
     every = json.loads(Path(path).read_text())["traceEvents"]
@@ -104,7 +104,7 @@ def read_trace(path) -> dict:
             "threads": {tid: names.get(tid, str(tid)) for tid in {main, *comm}},
             "start": t0 / 1e3}  # the first step on the machine's clock, which its processes share
 
-# %% ../nbs/03b_profiling.ipynb #34c34c44
+# %% ../nbs/03b_profiling.ipynb #6ef2061a
 def step_times(trace) -> list:
     "Per step, in ms: its time, compute, communication (any thread), exposed communication."
     rows = []
@@ -123,12 +123,12 @@ def exposed_summary(*traces) -> dict:
     return {"exposed_fraction": sum(r["exposed"] for r in rows) / comm if comm else 0.0,
             "step_s": med["step"], "comm_s": med["comm"], "exposed_s": med["exposed"]}
 
-# %% ../nbs/03b_profiling.ipynb #51d4215a
+# %% ../nbs/03b_profiling.ipynb #0928122d
 def mlp(width=512, layers=8) -> nn.Sequential:
     "`layers` equal Linear + ReLU layers: equal gradients (width² + width), equal backward times."
     return nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
 
-# %% ../nbs/03b_profiling.ipynb #3650ab09
+# %% ../nbs/03b_profiling.ipynb #7ec4ac24
 def overlap_worker(out_dir,   # each rank writes `{variant}-rank{r}-{round}.json`, rank 0 `buckets.json`
                    variants,  # {name: bucket_cap_mb, or None: no_sync, then all-reduces}
                    width=512, layers=8, batch=64, steps=3, rounds=1, warmup=2):
@@ -162,7 +162,7 @@ def overlap_worker(out_dir,   # each rank writes `{variant}-rank{r}-{round}.json
     if rank == 0: Path(out_dir, "buckets.json").write_text(json.dumps(buckets))
     dist.barrier()
 
-# %% ../nbs/03b_profiling.ipynb #ed16cdff
+# %% ../nbs/03b_profiling.ipynb #1b24bc9c
 def predicted_exposed_s(bucket_bytes,  # each bucket's payload, in the order DDP all-reduces them
                         rows,          # all-reduce timings from `comm_worker`, one world size
                         backward_s,    # backward's compute time, measured with no communication
@@ -176,7 +176,7 @@ def predicted_exposed_s(bucket_bytes,  # each bucket's payload, in the order DDP
         end = max(end, ready) + predicted_all_reduce_s(rows, b)  # waits for the previous one
     return max(0.0, end - backward_s)
 
-# %% ../nbs/03b_profiling.ipynb #ea47f08d
+# %% ../nbs/03b_profiling.ipynb #5715b7a5
 def exposed_comm_fraction(bucket_cap_mb=2,  # DDP's bucket MiB; None: no overlap
                           width=512, layers=8,  # the model: `mlp(width, layers)`
                           batch=64, steps=3,    # rows per rank; steps profiled after 2 of warm-up
