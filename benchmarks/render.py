@@ -173,7 +173,17 @@ def table(res: dict) -> str:
     if res.get("comm"): lines += comm_table(res)
     if res.get("tp"): lines += tp_table(res)
     if res.get("memory"): lines += memory_table(res)
+    if res.get("overlap"): lines += overlap_table(res)
     return "\n".join(lines) + "\n"
+
+
+def overlap_table(res: dict) -> list:
+    "DDP's exposed communication on 2 processes (lesson 03b): measured from each rank-0 trace."
+    lines = ["", "DDP on 2 processes, communication not hidden by backward (lesson 03b's traces, rank 0, medians):", "",
+             "| gradients all-reduced | exposed share | exposed ms | communication ms | step ms |", "|---|---|---|---|---|"]
+    for k, o in res["overlap"].items():
+        lines.append(row(k, f"{o['exposed_fraction']:.0%}", *(f"{1e3 * o[x]:.1f}" for x in ("exposed_s", "comm_s", "step_s"))))
+    return lines
 
 
 def memory_table(res: dict) -> list:

@@ -37,6 +37,7 @@ from distcourse.launch import make_accelerator  # noqa: E402
 from distcourse.memory import PeakMemory, adamw_peak_bytes  # noqa: E402
 from distcourse.gpt import flops_per_token  # noqa: E402
 from distcourse.model import num_params  # noqa: E402
+from distcourse.profiling import exposed_comm_fraction  # noqa: E402
 from distcourse.tracking import DATASHEET_FLOPS, datasheet_gpu  # noqa: E402
 
 from bench_data import data_throughput, padding_waste  # noqa: E402
@@ -58,6 +59,8 @@ MODES = {
              dict(repeats=3), 2048),
 }
 GPU_BENCH = Bench("base", 16, 1024, precision="bf16", vocab_size=50304, device="cuda", warmup=3, steps=30, chunk=5)
+# DDP on 2 processes (lesson 03b's `mlp`): gradients all-reduced after backward, in one bucket, in 2 MiB buckets
+OVERLAP = {"no overlap": None, "one bucket": 1024, "2 MiB buckets": 2}
 PATHS = {"fp32 eager": ("fp32", False), "fp32 compile": ("fp32", True), "bf16 eager": ("bf16", False),
          "bf16 compile": ("bf16", True)}
 
@@ -177,6 +180,7 @@ def parse(argv=None):
     p.add_argument("--no_hf", action="store_true", help="skip transformers.Trainer")
     p.add_argument("--no_comm", action="store_true", help="skip the collectives (latency, bus bandwidth)")
     p.add_argument("--no_tp", action="store_true", help="skip tensor parallelism (tokens/s at tp 1 and 2)")
+    p.add_argument("--no_overlap", action="store_true", help="skip DDP's exposed communication (lesson 03b)")
     p.add_argument("--paths", action="store_true", help="also fp32/bf16 x eager/compile and the main job itself "
                    "(at the main job's batch, 16 x 128; ~5 min on 2 cores)")
     p.add_argument("--out", default=str(HERE), help="directory for results.json and results.md")
@@ -224,6 +228,10 @@ def main(argv=None):
     sections["comm"], t = time.time() - t, time.time()
     res["tp"] = None if args.no_tp or CUDA else measure_tp("smoke" if mode == "smoke" else "quick")  # lesson 05c
     sections["tp"], t = time.time() - t, time.time()
+    if not args.no_overlap:  # lesson 03b: the share of a DDP step's communication that backward did not hide
+        size = dict(width=128, layers=4, batch=16, steps=2) if mode == "smoke" else {}
+        res["overlap"] = {k: exposed_comm_fraction(cap, **size) for k, cap in OVERLAP.items()}
+        sections["overlap"], t = time.time() - t, time.time()
     with tempfile.TemporaryDirectory() as tmp:
         per = contenders(b, matmul_n, not args.no_hf, tmp)
         res["memory"] = per.pop("memory")  # bytes per rank: measured peaks, the model's prediction beside

@@ -56,6 +56,15 @@ def test_results_have_every_field(smoke):
     assert {r["collective"] for r in rows} == set(TIMED) and all(r["seconds"] > 0 and r["busbw"] > 0 for r in rows)
 
 
+def test_exposed_communication_of_ddp(smoke):
+    "Lesson 03b's measurement of DDP's overlap, three ways: a share of the communication, read from traces."
+    res, md = smoke[0], smoke[1]
+    assert set(res["overlap"]) == {"no overlap", "one bucket", "2 MiB buckets"}
+    for o in res["overlap"].values():
+        assert 0 <= o["exposed_fraction"] <= 1 and 0 <= o["exposed_s"] <= o["comm_s"] and o["step_s"] > 0, o
+    assert "communication not hidden by backward" in md
+
+
 def test_memory_measured_beside_the_prediction(smoke):
     "Each trainer's step measured by PeakMemory: weights, gradients and AdamW equal lesson 05's terms."
     res, md = smoke[0], smoke[1]
@@ -151,7 +160,8 @@ def test_targets_and_markdown_table(smoke):
 
 
 def test_parts_can_be_left_out_and_paths_added(tmp_path):
-    proc = run_cli([*RUN, "--no_ddp", "--no_hf", "--no_comm", "--no_tp", "--paths", "--out", str(tmp_path)], timeout=600)
+    proc = run_cli([*RUN, "--no_ddp", "--no_hf", "--no_comm", "--no_tp", "--no_overlap", "--paths", "--out", str(tmp_path)],
+                   timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res["paths"]) == {"fp32 eager", "fp32 compile", "bf16 eager", "bf16 compile"}
@@ -165,7 +175,7 @@ def test_parts_can_be_left_out_and_paths_added(tmp_path):
     assert res["main_job"]["choices"]["compile"]["value"] is True and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
     assert res["ddp"] is None and res["processes_vs_threads"] is None and res["loop_vs_hf_trainer"] is None
     assert res["weak_scaling"] is None and res["strong_scaling"] is None
-    assert res["tp"] is None and "comm" not in res
+    assert res["tp"] is None and "comm" not in res and "overlap" not in res
     assert res["targets"]["processes_vs_threads"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}
     assert "| `processes_vs_threads` | — |" in (tmp_path / "results.md").read_text()
 
