@@ -6,7 +6,7 @@
 __all__ = ['MOE_PRESETS', 'AUX_WEIGHT', 'route', 'MoE', 'moe_gpt', 'build_moe', 'moe_layers', 'aux_loss', 'moe_params',
            'moe_flops_per_token', 'ep_groups', 'expert_parallel', 'sync_grads', 'ep_bytes', 'ep_check_worker']
 
-# %% ../nbs/05j_experts.ipynb #e181a632
+# %% ../nbs/05j_experts.ipynb #c6e8baa5
 import copy
 import json
 import math
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .context_parallel import cp_group, toy_batches
 from .gpt import GPT, GPTConfig, _MLP
 
-# %% ../nbs/05j_experts.ipynb #ede1a174
+# %% ../nbs/05j_experts.ipynb #4a4b397b
 MOE_PRESETS = {  # GPTConfig's fields, then the experts'; dropout 0 as the dense presets
     "tiny-moe":  dict(n_layer=2, n_embd=64, n_head=2, n_positions=256, dropout=0.0,
                       n_expert=4, top_k=2, capacity_factor=1.25, moe_every=1, shared_expert=False),
@@ -30,30 +30,31 @@ MOE_PRESETS = {  # GPTConfig's fields, then the experts'; dropout 0 as the dense
 }
 AUX_WEIGHT = 0.01  # Switch Transformer's α: the load-balancing loss's weight, per MoE layer
 
-# %% ../nbs/05j_experts.ipynb #1c61f340
+# %% ../nbs/05j_experts.ipynb #07d9da76
 def route(probs,          # (N, E) router probabilities of N tokens
           top_k,          # experts per token
           capacity_factor=None,  # None: no expert ever drops a token
-          groups=1,       # token groups (consecutive sequences) that decide capacity and the aux loss alone
+          groups=1,       # groups of consecutive sequences, each deciding capacity and aux
          ) -> tuple:
-    "Each token's top-k experts and gates, which assignments fit their expert's capacity, and the aux loss."
+    "Each token's top-k experts and gates, which assignments fit in their expert, and the aux loss."
     N, E = probs.shape
-    gate, idx = probs.topk(top_k, dim=-1)                      # (N, k)
-    if top_k > 1: gate = gate / gate.sum(-1, keepdim=True)     # GShard: the k gates sum to 1; k=1 keeps p
-    onehot = F.one_hot(idx, E).view(groups, N // groups, top_k, E)  # (G, Ng, k, E)
-    share = onehot.float().mean((1, 2))                        # (G, E): f_i, share of assignments
-    aux = (E * (share * probs.view(groups, -1, E).mean(1)).sum(-1)).mean()  # Switch: E·Σ f_i·P_i, 1 if even
+    gate, idx = probs.topk(top_k, dim=-1)                   # (N, k)
+    if top_k > 1: gate = gate / gate.sum(-1, keepdim=True)  # GShard: k gates sum to 1; k=1 keeps p
+    onehot = F.one_hot(idx, E).view(groups, N // groups, top_k, E)      # (G, Ng, k, E)
+    share = onehot.float().mean((1, 2))                     # (G, E): f_i, share of assignments
+    mean_p = probs.view(groups, -1, E).mean(1)              # (G, E): P_i, mean probability
+    aux = (E * (share * mean_p).sum(-1)).mean()             # Switch: E·Σ f_i·P_i, 1 when even
     keep = torch.ones_like(idx, dtype=torch.bool)
     if capacity_factor:
         cap = math.ceil(capacity_factor * (N // groups) * top_k / E)  # slots per expert and group
-        order = onehot.transpose(1, 2).flatten(1, 2)          # (G, k·Ng, E): every token's 1st choice first
-        pos = ((order.cumsum(1) - 1) * order).sum(-1)          # (G, k·Ng): place in its expert's queue
+        order = onehot.transpose(1, 2).flatten(1, 2)       # (G, k·Ng, E): all 1st choices first
+        pos = ((order.cumsum(1) - 1) * order).sum(-1)       # (G, k·Ng): place in its expert's queue
         keep = (pos < cap).view(groups, top_k, -1).transpose(1, 2).reshape(N, top_k)
     return idx, gate, keep, aux
 
-# %% ../nbs/05j_experts.ipynb #9f6bee97
+# %% ../nbs/05j_experts.ipynb #6e242af5
 def _a2a(x, send, recv, group, stats, key):
-    "Rows of `x`: the first send[0] to rank 0, the next send[1] to rank 1...; rows received, in rank order."
+    "Rows of `x`: send[0] of them to rank 0, the next send[1] to rank 1...; those received, in order."
     out = x.new_empty(sum(recv), *x.shape[1:])
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     if stats is not None:  # bytes that leave this rank: every row but those it sends itself
@@ -62,7 +63,7 @@ def _a2a(x, send, recv, group, stats, key):
     return out
 
 class _AllToAllV(torch.autograd.Function):
-    "Forward: rows scattered by `send`, gathered by `recv`. Backward: the reverse all-to-all of the gradients."
+    "Forward: rows scattered by `send`, gathered by `recv`. Backward: the reverse all-to-all."
     @staticmethod
     def forward(ctx, x, send, recv, group, stats):
         ctx.args = (send, recv, group, stats)
@@ -72,7 +73,7 @@ class _AllToAllV(torch.autograd.Function):
         send, recv, group, stats = ctx.args
         return _a2a(grad, recv, send, group, stats, "grad_a2a_bytes"), None, None, None, None
 
-# %% ../nbs/05j_experts.ipynb #e82cab98
+# %% ../nbs/05j_experts.ipynb #5139d3df
 class MoE(nn.Module):
     "A block's MLP as `n_expert` MLPs and a router that sends each token to `top_k` of them."
     def __init__(self, cfg: GPTConfig, n_expert, top_k=1, capacity_factor=None, shared_expert=False,
@@ -80,52 +81,56 @@ class MoE(nn.Module):
         super().__init__()
         self.n_expert, self.top_k, self.capacity_factor = n_expert, top_k, capacity_factor
         self.router = nn.Linear(cfg.n_embd, n_expert, bias=False)
-        self.experts = nn.ModuleList([first or _MLP(cfg)] + [_MLP(cfg) for _ in range(n_expert - 1)])
-        self.shared = _MLP(cfg) if shared_expert else None  # DeepSeekMoE: one expert every token uses
-        self.groups, self.first, self.ep_group, self.stats = 1, 0, None, None  # expert_parallel sets these
-        self.aux, self.load = None, None                      # the last forward's aux loss and loads
+        more = [_MLP(cfg) for _ in range(n_expert - 1)]
+        self.experts = nn.ModuleList([first or _MLP(cfg)] + more)
+        self.shared = _MLP(cfg) if shared_expert else None  # DeepSeekMoE: every token uses it
+        self.groups, self.first, self.ep_group = 1, 0, None  # expert_parallel sets these
+        self.stats, self.aux, self.load = None, None, None   # bytes sent; last aux loss; last loads
 
     def forward(self, x):  # x: (B, T, C)
-        h = x.flatten(0, 1)                                        # (N, C)
-        probs = F.softmax(self.router(h), dim=-1)                  # (N, E)
+        h = x.flatten(0, 1)                                     # (N, C)
+        probs = F.softmax(self.router(h), dim=-1)               # (N, E)
         idx, gate, keep, self.aux = route(probs, self.top_k, self.capacity_factor, self.groups)
         tok = torch.arange(h.size(0), device=h.device)[:, None].expand_as(idx)[keep]  # (M,) kept
-        e = idx[keep]                                              # (M,) their experts
-        order = torch.argsort(e, stable=True)                      # expert-major, tokens in order
-        counts = torch.bincount(e, minlength=self.n_expert)        # (E,) rows per expert
+        e = idx[keep]                                           # (M,) their experts
+        order = torch.argsort(e, stable=True)                   # expert-major, tokens in order
+        counts = torch.bincount(e, minlength=self.n_expert)     # (E,) rows per expert
         self.load = dict(routed=F.one_hot(idx, self.n_expert).sum((0, 1)), kept=counts)
-        y = self._experts(h[tok[order]], counts)                   # (M, C)
+        y = self._experts(h[tok[order]], counts)                # (M, C)
         out = torch.zeros_like(h).index_add(0, tok[order], y * gate[keep][order, None])
         if self.shared is not None: out = out + self.shared(h)
-        return out.view_as(x)                                      # (B, T, C); dropped tokens: 0
+        return out.view_as(x)                                   # (B, T, C); dropped tokens: 0
 
     def _experts(self, xs, counts):  # xs: (M, C) sorted by expert; counts: (E,)
-        "Each expert's MLP on its rows; with an ep group, the rows travel to the expert's rank and back."
+        "Each expert's MLP on its rows; with an ep group, rows go to their expert's rank and back."
         if self.ep_group is None:
             return torch.cat([f(r) for f, r in zip(self.experts, xs.split(counts.tolist()))])
-        ep, n = dist.get_world_size(self.ep_group), len(self.experts)  # n experts on each rank
-        mine = torch.empty_like(counts)                            # from rank s: its rows for my n experts
-        dist.all_to_all_single(mine, counts, group=self.ep_group)  # counts first: the sizes to expect
-        if self.stats is not None:
-            self.stats.setdefault("rows", []).append(counts.view(ep, n).sum(1).tolist())
-            self.stats["count_bytes"] = self.stats.get("count_bytes", 0) + (ep - 1) * n * counts.element_size()
+        group, n = self.ep_group, len(self.experts)            # n experts on each rank
+        ep = dist.get_world_size(group)
+        mine = torch.empty_like(counts)                         # from rank s: rows for my n experts
+        dist.all_to_all_single(mine, counts, group=group)       # counts first: the sizes to expect
         send, mine = counts.view(ep, n).sum(1).tolist(), mine.view(ep, n)
         recv = mine.sum(1).tolist()
-        xr = _AllToAllV.apply(xs, send, recv, self.ep_group, self.stats)  # (Σ recv, C): source-major
-        pieces = xr.split(mine.flatten().tolist())                 # [s·n + j]: from rank s for expert j
-        ys = [f(torch.cat(pieces[j::n])).split(mine[:, j].tolist()) for j, f in enumerate(self.experts)]
+        if self.stats is not None:
+            self.stats.setdefault("rows", []).append(send)
+            sent = (ep - 1) * n * counts.element_size()
+            self.stats["count_bytes"] = self.stats.get("count_bytes", 0) + sent
+        xr = _AllToAllV.apply(xs, send, recv, group, self.stats)  # (Σ recv, C): source-major
+        pieces = xr.split(mine.flatten().tolist())              # [s·n + j]: from rank s, expert j
+        ys = [f(torch.cat(pieces[j::n])).split(mine[:, j].tolist())  # expert j's rows, by source
+              for j, f in enumerate(self.experts)]
         back = torch.cat([ys[j][s] for s in range(ep) for j in range(n)])  # source-major again
-        return _AllToAllV.apply(back, recv, send, self.ep_group, self.stats)  # (M, C): my rows, done
+        return _AllToAllV.apply(back, recv, send, group, self.stats)  # (M, C): my rows, done
 
-# %% ../nbs/05j_experts.ipynb #cf8acf19
+# %% ../nbs/05j_experts.ipynb #ec6b999f
 def moe_gpt(config: GPTConfig,    # the dense model's sizes
             n_expert=8,           # experts per MoE layer
             top_k=2,              # experts per token (1: Switch, 2: GShard)
             capacity_factor=None, # slots per expert = ⌈factor · tokens · k / E⌉; None: no drops
-            moe_every=1,          # blocks i with (i+1) % moe_every == 0 get experts (2: every other block)
+            moe_every=1,          # blocks i with (i+1) % moe_every == 0 (2: every other)
             shared_expert=False,  # one more MLP that every token passes through
            ) -> GPT:
-    "The course's GPT with the MLPs of chosen blocks replaced by experts; the same seed gives the same dense weights."
+    "01a's GPT with the MLP of chosen blocks replaced by experts; the dense MLP becomes expert 0."
     model = GPT(config)
     L = config.n_layer
     for i, block in enumerate(model.transformer.h):
@@ -133,29 +138,33 @@ def moe_gpt(config: GPTConfig,    # the dense model's sizes
         block.mlp = MoE(config, n_expert, top_k, capacity_factor, shared_expert, first=block.mlp)
         new = [block.mlp.router, *block.mlp.experts[1:], block.mlp.shared]
         for name, p in nn.ModuleList([m for m in new if m is not None]).named_parameters():
-            if name.endswith("bias"): nn.init.zeros_(p)  # GPT's init for the new MLPs and the router
-            else: nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * L) if name.endswith("c_proj.weight") else 0.02)
+            proj = name.endswith("c_proj.weight")  # GPT's init for the new MLPs and the router
+            if name.endswith("bias"): nn.init.zeros_(p)
+            else: nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * L) if proj else 0.02)
     return model
 
 def build_moe(name, vocab_size) -> GPT:
     "A preset of MOE_PRESETS ('tiny-moe', 'small-moe') for a tokenizer of `vocab_size` tokens."
-    if name not in MOE_PRESETS: raise ValueError(f"unknown MoE preset {name!r}: choose one of {list(MOE_PRESETS)}")
+    if name not in MOE_PRESETS:
+        raise ValueError(f"unknown MoE preset {name!r}: choose one of {list(MOE_PRESETS)}")
     p = dict(MOE_PRESETS[name])
-    moe = {k: p.pop(k) for k in ("n_expert", "top_k", "capacity_factor", "moe_every", "shared_expert")}
+    keys = ("n_expert", "top_k", "capacity_factor", "moe_every", "shared_expert")
+    moe = {k: p.pop(k) for k in keys}
     return moe_gpt(GPTConfig(vocab_size=vocab_size, **p), **moe)
 
 def moe_layers(model) -> list: return [m for m in model.modules() if isinstance(m, MoE)]
 
 def aux_loss(model) -> torch.Tensor:
-    "The load-balancing losses of the last forward, summed over the MoE layers (add AUX_WEIGHT times it)."
+    "The last forward's load-balancing losses, summed over MoE layers (add AUX_WEIGHT times it)."
     return sum(m.aux for m in moe_layers(model))
 
-# %% ../nbs/05j_experts.ipynb #7e8e291f
+# %% ../nbs/05j_experts.ipynb #d1d49211
 def moe_params(config, n_expert, top_k, moe_every=1, shared_expert=False) -> dict:
-    "Parameters of `moe_gpt`'s model by formula: total, and active (those one token's forward uses)."
+    "Parameters of `moe_gpt`'s model by formula: total, and active (what one token's forward uses)."
     C, L, b = config.n_embd, config.n_layer, int(config.bias)
     ln, mlp = C + b * C, 8 * C * C + b * 5 * C            # a LayerNorm; an MLP: C→4C→C
-    dense = (config.vocab_size + config.n_positions) * C + L * (2 * ln + 4 * C * C + b * 4 * C + mlp) + ln
+    block = 2 * ln + 4 * C * C + b * 4 * C + mlp           # two LayerNorms, attention, the MLP
+    dense = (config.vocab_size + config.n_positions) * C + L * block + ln
     n_moe = L // moe_every
     router, shared = C * n_expert, int(shared_expert) * mlp
     total = dense + n_moe * ((n_expert - 1) * mlp + router + shared)
@@ -163,54 +172,59 @@ def moe_params(config, n_expert, top_k, moe_every=1, shared_expert=False) -> dic
     return {"total": total, "active": active, "expert": mlp, "moe_layers": n_moe}
 
 def moe_flops_per_token(config, n_expert, top_k, seq_len, moe_every=1, shared_expert=False) -> int:
-    "Training FLOPs per token: 6·(active parameters but the position table) + 12·L·C·T (attention), as 01a."
+    "Training FLOPs per token as 01a: 6·(active parameters but the position table) + 12·L·C·T."
     active = moe_params(config, n_expert, top_k, moe_every, shared_expert)["active"]
-    return 6 * (active - config.n_positions * config.n_embd) + 12 * config.n_layer * config.n_embd * seq_len
+    attention = 12 * config.n_layer * config.n_embd * seq_len
+    return 6 * (active - config.n_positions * config.n_embd) + attention
 
-# %% ../nbs/05j_experts.ipynb #0dd24e59
+# %% ../nbs/05j_experts.ipynb #26e73686
 def ep_groups(ep) -> tuple:
     "(this rank's group of `ep` consecutive ranks, the ranks holding the same experts as this one)."
     world, rank = dist.get_world_size(), dist.get_rank()
-    copies = [dist.new_group(list(range(j, world, ep))) for j in range(ep)] if world > ep else [None] * ep
-    return cp_group(ep), copies[rank % ep]
+    copies = [dist.new_group(list(range(j, world, ep))) for j in range(ep)] if world > ep else None
+    return cp_group(ep), copies and copies[rank % ep]
 
 def expert_parallel(model, ep_group, groups=1):
-    "Keep this rank's 1/ep of each MoE layer's experts and send tokens to the others' through `ep_group`."
+    "Keep this rank's 1/ep of each MoE layer's experts; tokens reach the others via `ep_group`."
     ep, r = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for m in moe_layers(model):
         if m.n_expert % ep:
-            raise ValueError(f"n_expert={m.n_expert} does not split into ep={ep} ranks; choose an ep dividing it")
+            raise ValueError(f"n_expert={m.n_expert} does not split into ep={ep} ranks; "
+                             "choose an ep that divides it")
         n = m.n_expert // ep
-        m.experts, m.first, m.ep_group, m.groups = nn.ModuleList(m.experts[r * n:(r + 1) * n]), r * n, ep_group, groups
+        m.experts = nn.ModuleList(m.experts[r * n:(r + 1) * n])  # experts r·n ... (r+1)·n - 1
+        m.first, m.ep_group, m.groups = r * n, ep_group, groups
     return model
 
 def sync_grads(model, world_group=None, copies=None):
-    "Average gradients over the data-parallel world: dense ones all-reduced, experts' over their copies only."
+    "Average gradients over the data-parallel world: dense ones all-reduced, experts' over copies."
     world = dist.get_world_size(world_group)
     experts = {id(p) for m in moe_layers(model) for p in m.experts.parameters()}
     dense = [p.grad for p in model.parameters() if id(p) not in experts and p.grad is not None]
     flat = torch.cat([g.flatten() for g in dense])
     dist.all_reduce(flat, group=world_group)
-    for g, new in zip(dense, flat.split([g.numel() for g in dense])): g.copy_(new.view_as(g) / world)
+    for g, new in zip(dense, flat.split([g.numel() for g in dense])):
+        g.copy_(new.view_as(g) / world)
     for p in model.parameters():
         if id(p) not in experts or p.grad is None: continue
         if copies is not None: dist.all_reduce(p.grad, group=copies)
-        p.grad /= world  # every rank's tokens reached this expert: its grad holds their sum, not mean
+        p.grad /= world  # every rank's tokens reached this expert: its grad is their sum
 
 def ep_bytes(rows, rank, n_local, C, itemsize=4) -> int:
-    "Bytes `rank` sends in one MoE layer's forward: counts, its rows to other ranks, and their rows back."
-    ep = len(rows)  # rows[i][j]: token rows rank i sends to rank j (kept assignments to j's experts)
+    "Bytes `rank` sends in one MoE layer's forward: counts, its rows to others, their rows back."
+    ep = len(rows)  # rows[i][j]: rows rank i sends to rank j (kept, for j's experts)
     out = sum(rows[rank][j] + rows[j][rank] for j in range(ep) if j != rank) * C * itemsize
     return out + (ep - 1) * n_local * 8
 
-# %% ../nbs/05j_experts.ipynb #dd8ac8a6
+# %% ../nbs/05j_experts.ipynb #33b55071
 def _grad_norm(model, ep_group) -> float:
-    "‖g‖ over the whole model: dense grads (the same on every rank) once, each expert's once per ep group."
+    "‖g‖ of the whole model: dense grads (equal on all ranks) once, each expert's once per ep group."
     experts = {id(p) for m in moe_layers(model) for p in m.experts.parameters()}
-    sq = [p.grad.double().pow(2).sum() for p in model.parameters() if id(p) in experts]
-    ex = torch.stack(sq).sum() if sq else torch.zeros((), dtype=torch.float64)
+    sq = {e: [p.grad.double().pow(2).sum() for p in model.parameters() if (id(p) in experts) == e]
+          for e in (True, False)}
+    ex = torch.stack(sq[True]).sum()                        # this rank's experts
     if ep_group is not None: dist.all_reduce(ex, group=ep_group)
-    return (ex + sum(p.grad.double().pow(2).sum() for p in model.parameters() if id(p) not in experts)).sqrt().item()
+    return (ex + torch.stack(sq[False]).sum()).sqrt().item()
 
 def ep_check_worker(out_dir, eps=(2,), steps=3, B=2, T=16, vocab=64, n_expert=4, top_k=2,
                     capacity_factor=1.0, shared_expert=True, lr=1e-2, seed=0):
@@ -243,8 +257,9 @@ def ep_check_worker(out_dir, eps=(2,), steps=3, B=2, T=16, vocab=64, n_expert=4,
             if step == 0: fwd = dict(stats)
             loss.backward()
             sync_grads(model, None, copies)
-            dist.all_reduce(loss := loss.detach())
-            r["ep"].append([loss.item() / world, _grad_norm(model, ep_group)])
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)                       # the global batch's loss, to compare
+            r["ep"].append([mean.item() / world, _grad_norm(model, ep_group)])
             if step == 0:
                 g = dict(ref.named_parameters())
                 r["out_err"] = (out - logits[rank * B:(rank + 1) * B]).abs().max().item()
@@ -255,8 +270,9 @@ def ep_check_worker(out_dir, eps=(2,), steps=3, B=2, T=16, vocab=64, n_expert=4,
                 n = n_expert // ep
                 r["bytes"] = {k: v for k, v in stats.items() if k != "rows"}
                 r["bytes_fwd"] = {k: v for k, v in fwd.items() if k != "rows"}
-                r["formula"] = sum(ep_bytes([x[l] for x in rows], dist.get_rank(ep_group), n, cfg.n_embd)
-                                   for l in range(len(rows[0])))
+                me = dist.get_rank(ep_group)
+                r["formula"] = sum(ep_bytes([x[l] for x in rows], me, n, cfg.n_embd)
+                                   for l in range(len(rows[0])))  # per MoE layer, from the routing
                 r["load"] = [m.load["routed"].tolist() for m in moe_layers(model)]
                 r["kept"] = [m.load["kept"].tolist() for m in moe_layers(model)]
             for opt in opts:
