@@ -6,7 +6,7 @@
 __all__ = ['MOE_PRESETS', 'AUX_WEIGHT', 'route', 'MoE', 'moe_gpt', 'build_moe', 'moe_layers', 'aux_loss', 'moe_params',
            'moe_flops_per_token', 'ep_groups', 'expert_parallel', 'sync_grads', 'ep_bytes', 'ep_check_worker']
 
-# %% ../nbs/05j_experts.ipynb #c6e8baa5
+# %% ../nbs/05j_experts.ipynb #b562028f
 import copy
 import json
 import math
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from .context_parallel import cp_group, toy_batches
 from .gpt import GPT, GPTConfig, _MLP
 
-# %% ../nbs/05j_experts.ipynb #4a4b397b
+# %% ../nbs/05j_experts.ipynb #2b4a2d09
 MOE_PRESETS = {  # GPTConfig's fields, then the experts'; dropout 0 as the dense presets
     "tiny-moe":  dict(n_layer=2, n_embd=64, n_head=2, n_positions=256, dropout=0.0,
                       n_expert=4, top_k=2, capacity_factor=1.25, moe_every=1, shared_expert=False),
@@ -30,7 +30,7 @@ MOE_PRESETS = {  # GPTConfig's fields, then the experts'; dropout 0 as the dense
 }
 AUX_WEIGHT = 0.01  # Switch Transformer's α: the load-balancing loss's weight, per MoE layer
 
-# %% ../nbs/05j_experts.ipynb #07d9da76
+# %% ../nbs/05j_experts.ipynb #02a6a1e7
 def route(probs,          # (N, E) router probabilities of N tokens
           top_k,          # experts per token
           capacity_factor=None,  # None: no expert ever drops a token
@@ -52,7 +52,7 @@ def route(probs,          # (N, E) router probabilities of N tokens
         keep = (pos < cap).view(groups, top_k, -1).transpose(1, 2).reshape(N, top_k)
     return idx, gate, keep, aux
 
-# %% ../nbs/05j_experts.ipynb #6e242af5
+# %% ../nbs/05j_experts.ipynb #56987bf5
 def _a2a(x, send, recv, group, stats, key):
     "Rows of `x`: send[0] of them to rank 0, the next send[1] to rank 1...; those received, in order."
     out = x.new_empty(sum(recv), *x.shape[1:])
@@ -73,7 +73,7 @@ class _AllToAllV(torch.autograd.Function):
         send, recv, group, stats = ctx.args
         return _a2a(grad, recv, send, group, stats, "grad_a2a_bytes"), None, None, None, None
 
-# %% ../nbs/05j_experts.ipynb #5139d3df
+# %% ../nbs/05j_experts.ipynb #5c2a9dd3
 class MoE(nn.Module):
     "A block's MLP as `n_expert` MLPs and a router that sends each token to `top_k` of them."
     def __init__(self, cfg: GPTConfig, n_expert, top_k=1, capacity_factor=None, shared_expert=False,
@@ -122,7 +122,7 @@ class MoE(nn.Module):
         back = torch.cat([ys[j][s] for s in range(ep) for j in range(n)])  # source-major again
         return _AllToAllV.apply(back, recv, send, group, self.stats)  # (M, C): my rows, done
 
-# %% ../nbs/05j_experts.ipynb #ec6b999f
+# %% ../nbs/05j_experts.ipynb #320aa17a
 def moe_gpt(config: GPTConfig,    # the dense model's sizes
             n_expert=8,           # experts per MoE layer
             top_k=2,              # experts per token (1: Switch, 2: GShard)
@@ -158,7 +158,7 @@ def aux_loss(model) -> torch.Tensor:
     "The last forward's load-balancing losses, summed over MoE layers (add AUX_WEIGHT times it)."
     return sum(m.aux for m in moe_layers(model))
 
-# %% ../nbs/05j_experts.ipynb #d1d49211
+# %% ../nbs/05j_experts.ipynb #91c9ad53
 def moe_params(config, n_expert, top_k, moe_every=1, shared_expert=False) -> dict:
     "Parameters of `moe_gpt`'s model by formula: total, and active (what one token's forward uses)."
     C, L, b = config.n_embd, config.n_layer, int(config.bias)
@@ -177,7 +177,7 @@ def moe_flops_per_token(config, n_expert, top_k, seq_len, moe_every=1, shared_ex
     attention = 12 * config.n_layer * config.n_embd * seq_len
     return 6 * (active - config.n_positions * config.n_embd) + attention
 
-# %% ../nbs/05j_experts.ipynb #26e73686
+# %% ../nbs/05j_experts.ipynb #c9a496ab
 def ep_groups(ep) -> tuple:
     "(this rank's group of `ep` consecutive ranks, the ranks holding the same experts as this one)."
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -216,7 +216,7 @@ def ep_bytes(rows, rank, n_local, C, itemsize=4) -> int:
     out = sum(rows[rank][j] + rows[j][rank] for j in range(ep) if j != rank) * C * itemsize
     return out + (ep - 1) * n_local * 8
 
-# %% ../nbs/05j_experts.ipynb #33b55071
+# %% ../nbs/05j_experts.ipynb #8197f37d
 def _grad_norm(model, ep_group) -> float:
     "‖g‖ of the whole model: dense grads (equal on all ranks) once, each expert's once per ep group."
     experts = {id(p) for m in moe_layers(model) for p in m.experts.parameters()}
