@@ -38,6 +38,7 @@ def route(probs,          # (N, E) router probabilities of N tokens
          ) -> tuple:
     "Each token's top-k experts and gates, which assignments fit in their expert, and the aux loss."
     N, E = probs.shape
+    if N % groups: raise ValueError(f"{N} tokens do not split into groups={groups}; pass a divisor of N")
     gate, idx = probs.topk(top_k, dim=-1)                   # (N, k)
     if top_k > 1: gate = gate / gate.sum(-1, keepdim=True)  # GShard: k gates sum to 1; k=1 keeps p
     onehot = F.one_hot(idx, E).view(groups, N // groups, top_k, E)      # (G, Ng, k, E)
