@@ -126,7 +126,7 @@ class Mesh:
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
                  cfg,             # a trainer Config, or anything with its tp, pp, cp (checked),
                                   # pp_schedule, lr, weight_decay, warmup_steps and max_steps;
-                                  # seed (0 if it has none): the tp dropout state's
+                                  # seed (0 if none): the tp dropout state's; cp_impl ("ring" if none)
                  autocast=nullcontext,  # a context for the forward, e.g. `accelerator.autocast`
                  device=None):  # where the piece and its batches live, e.g. `accelerator.device`;
                                 # None: where `hf`'s parameters are

@@ -19,7 +19,6 @@ from distcourse.config import ConfigError, parse_args
 from distcourse.launch import launch
 from distcourse.loop import count_targets, loss_sum, make_optimizer, make_scheduler
 from distcourse.mesh import Mesh, mesh_layout
-from distcourse.model import build_model
 from distcourse.train import main
 
 # 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp =
@@ -187,10 +186,11 @@ def test_mesh_resumes_on_another_dp(runs, tmp_path):
 
 # dp × tp × pp × cp on 8 processes, the trainer's step (`Mesh`) on its tiny GPT-2, against one process on the same
 # global batch: one launch forked from here (no imports repeated), the layouts in turn, a few steps each (8
-# trainer processes on 2 cores take a minute). Ulysses needs n_head/tp divisible by cp: the tiny model's 2 heads
-# allow it without tp. Clipping at 0.1 acts at every step. Measured: losses ≤ 2e-7, norms ≤ 2e-7, gradients ≤ 4e-7.
+# trainer processes on 2 cores take a minute). The tiny preset's shape with 4 heads: Ulysses under tp 2 × cp 2
+# needs n_head/tp divisible by cp. Clipping at 0.1 acts at every step.
 LAYOUTS_4D = {"tp2_pp2_cp2": dict(tp=2, pp=2, cp=2), "dp2_pp2_cp2": dict(pp=2, cp=2),
-              "dp2_pp2_cp2_ulysses": dict(pp=2, cp=2, cp_impl="ulysses")}
+              "dp2_pp2_cp2_ulysses": dict(pp=2, cp=2, cp_impl="ulysses"),
+              "tp2_pp2_cp2_ulysses": dict(tp=2, pp=2, cp=2, cp_impl="ulysses")}
 STEPS_4D, GA_4D, CLIP_4D = 3, 2, 0.1  # 1F1B: at least pp micro-batches per step
 OPT_4D = dict(lr=3e-3, weight_decay=0.1, warmup_steps=1, max_steps=STEPS_4D, pp_schedule="1f1b")
 
@@ -240,9 +240,11 @@ def mesh_4d_worker(out, hf):
 
 
 def test_4d_meshes_equal_one_process(tmp_path):
-    "tp 2 × pp 2 × cp 2 and dp 2 × pp 2 × cp 2 (ring), dp 2 × pp 2 × cp 2 (Ulysses): losses, norms, gradients."
+    "tp 2 × pp 2 × cp 2 and dp 2 × pp 2 × cp 2, with the ring and with Ulysses: losses, norms, gradients."
+    from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    hf = build_model("tiny", vocab_size=100)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=64, n_layer=2, n_head=4, n_embd=64, resid_pdrop=0,
+                                    embd_pdrop=0, attn_pdrop=0))
     want_losses, want_norms = one_process_4d(hf, tmp_path)
     assert min(want_norms) > CLIP_4D  # clipping acts at every step
     launch(partial(mesh_4d_worker, hf=hf), (tmp_path,), num_processes=8, timeout=240)
