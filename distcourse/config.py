@@ -23,7 +23,7 @@ from transformers import AutoConfig
 from .checkpoint import MARKER, latest_checkpoint, read_state
 from .data import hub_offline
 from .memory import STAGES
-from .mesh import SUPPORTED, check_degrees
+from .mesh import CP_IMPLS, SUPPORTED, check_degrees
 from .model import PRESETS
 from .tracking import resolve_tracker
 
@@ -57,7 +57,8 @@ class Config:
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
     tp: int = 1                  # tensor-parallel degree, also with --cp or --pp (GPT-2, clm); dp = processes / (tp·cp·pp)
-    cp: int = 1                  # context-parallel degree (ring attention, seq_len a multiple of 2·cp); not with --pp
+    cp: int = 1                  # context-parallel degree, also with --tp and --pp (seq_len a multiple of 2·cp; ulysses: of cp)
+    cp_impl: str = "ring"        # cp's attention: ring (05h's lean ring, any cp) or ulysses (05i; n_head/tp a multiple of cp)
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
     pp_schedule: str = "1f1b"    # the pipeline's schedule: gpipe or 1f1b (1f1b needs grad_accum >= pp)
 
@@ -144,7 +145,7 @@ def _check_global_batch(path, state, cfg):
 
 _DROPOUT_WHY = {  # why cp and pp refuse dropout for now (one process draws every mask afresh); tp draws
     # its split heads' masks from a state per rank (05c's RNG tracker), proved in tests/test_tp_dropout.py
-    "cp": "ring attention has no attention dropout, and context-parallel ranks would draw the "
+    "cp": "ring and Ulysses attention have no attention dropout, and context-parallel ranks would draw the "
           "same masks for different tokens (their chunks would need a random state per cp rank)",
     "pp": "every pipeline stage starts from the same seed, so its layers' masks repeat another "
           "stage's instead of being drawn independently (stages would need seeds of their own)"}
@@ -168,6 +169,7 @@ def _check_mesh(cfg):
     "--tp, --cp, --pp and --pp_schedule: what the mesh trainer supports, checked before any process talks."
     if cfg.pp_schedule not in ("gpipe", "1f1b"):
         raise ConfigError(f"--pp_schedule {cfg.pp_schedule!r}: choose 'gpipe' or '1f1b'")
+    if cfg.cp_impl not in CP_IMPLS: raise ConfigError(f"--cp_impl {cfg.cp_impl!r}: choose one of {', '.join(CP_IMPLS)}")
     flags = " ".join(f"--{k} {getattr(cfg, k)}" for k in ("tp", "cp", "pp") if getattr(cfg, k) != 1)
     if not flags: return
     if cfg.model not in PRESETS or cfg.task != "clm":
@@ -179,11 +181,11 @@ def _check_mesh(cfg):
     _check_mesh_dropout(cfg)
     sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read
     try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,
-                       cfg.grad_accum, cfg.pp_schedule)
+                       cfg.grad_accum, cfg.pp_schedule, cfg.cp_impl)
     except ValueError as e:
         said_micro = "micro_batches" in str(e)  # the pipeline lesson's name for them
         pipeline = " (the pipeline's micro-batches are --grad_accum's)" if said_micro else ""
-        raise ConfigError(f"{flags}: {e}{pipeline}") from None
+        raise ConfigError(f"{flags}: {str(e).replace('cp_impl=', '--cp_impl ')}{pipeline}") from None
 
 def validate(cfg: Config) -> Config:
     "Raise `ConfigError` for anything wrong with `cfg` that can be seen before training starts."

@@ -180,7 +180,7 @@ def train(config=None, **overrides) -> dict:
     after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
                   lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
     memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
-    extra = {"zero_stage": cfg.zero_stage, "parallel": {"dp": acc.num_processes, "tp": 1, "pp": 1, "cp": 1},
+    extra = {"zero_stage": cfg.zero_stage, "parallel": {"dp": acc.num_processes, "tp": 1, "pp": 1, "cp": 1, "cp_impl": None},
              "memory": memory, "utilisation": meter.summary(run, memory), "resumed_from": resumed,
              "choices": chose, "threads_per_process": chose["threads"]["threads_per_process"]}
     return _finish(acc, cfg, run, model, tok, before, after, len(val_dl.dataset), extra)

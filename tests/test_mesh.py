@@ -1,18 +1,24 @@
 """The trainer's --tp, --cp and --pp: the losses and gradients of one process on the same global
 batch, model/ whole, exact resume, bad inputs."""
+import copy
 import json
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from conftest import ACCELERATE, PY, ROOT, free_port, grads_diff, run_cli, worst_rel
 from distcourse.config import ConfigError, parse_args
-from distcourse.mesh import mesh_layout
+from distcourse.launch import launch
+from distcourse.loop import count_targets, loss_sum, make_optimizer, make_scheduler
+from distcourse.mesh import Mesh, mesh_layout
 from distcourse.train import main
 
 # 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp =
@@ -30,12 +36,15 @@ MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 
           "tp2": (2, ["--tp", "2"]),  # one tp pair, the issue's command: 4 × 4 × 1
           "dp2_pp2": (4, ["--pp", "2", "--batch_size", "2", "--pp_schedule", "gpipe"]),  # 2 pipelines: 2×4×2
           "tp2_cp2": (4, ["--tp", "2", "--cp", "2"]),  # one replica: 2 cp ranks of a tp pair each, 4 × 4 × 1
-          "tp2_pp2": (4, ["--tp", "2", "--pp", "2"])}  # one pipeline of 2 stages, each a tp pair: 4 × 4 × 1
-# Resumed from their checkpoints: one layout per piece kind. tp2 and dp2_pp2 save the same pieces as dp2_tp2 and
-# pp2 (tp<i>, pp<i>; dp copies written once, which dp2_tp2 covers), and tp2 resumes dp2_tp2's checkpoint below.
+          "tp2_pp2": (4, ["--tp", "2", "--pp", "2"]),  # one pipeline of 2 stages, each a tp pair: 4 × 4 × 1
+          "pp2_cp2": (4, ["--pp", "2", "--cp", "2", "--cp_impl", "ulysses"])}  # 2 stages, each a Ulysses cp pair
+# (the 8-process layouts, tp 2 × pp 2 × cp 2 and dp 2 × pp 2 × cp 2, are proved on the step itself below: cheaper)
+# Resumed from their checkpoints: one layout per piece kind. tp2, dp2_pp2 and pp2 save the same pieces as dp2_tp2
+# and pp2_cp2 (tp<i>, pp<i>; dp and cp copies written once, which dp2_tp2 and pp2_cp2 cover), and tp2 resumes
+# dp2_tp2's checkpoint below; pp2_cp2 resumes pp × cp (Ulysses) exactly.
 # tp2_cp2 saves the same tp<i> pieces, its cp copies once as dp copies: its resume would add a 4-process run.
 # tp2_pp2 names its pieces by stage and tp index (pp<s>tp<i>), which no other layout covers.
-RESUMED = ["dp2_tp2", "cp2", "pp2", "tp2_pp2"]
+RESUMED = ["dp2_tp2", "cp2", "pp2_cp2", "tp2_pp2"]
 
 
 def train_losses(out, key="loss"):
@@ -71,6 +80,8 @@ def test_mesh_losses_equal_one_process(runs, name):
     one = json.loads((runs / "one/run.json").read_text())
     assert abs(run["final"]["loss"] - one["final"]["loss"]) <= 1e-4 * one["final"]["loss"]  # same validation
     assert run["final"]["samples"] == one["final"]["samples"]
+    assert run["parallel"]["cp_impl"] == (None if "cp" not in degrees else "ulysses" if "--cp_impl" in MESHES[name][1]
+                                          else "ring")  # cp's attention, in run.json
     if name == "pp2":  # the bubble is a timing: recorded, not bounded (the machine is shared)
         assert run["parallel"]["pp_schedule"] == "1f1b" and isinstance(run["parallel"]["bubble"], float)
     print(f"{name}: largest relative loss difference {worst:.1e} over 20 steps")
@@ -137,7 +148,7 @@ def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
     shutil.rmtree(again / "checkpoints/step_20")
     pieces = dcp.FileSystemReader(str(again / "checkpoints/step_10/sharded")).read_metadata().state_dict_metadata
     names = {k.split(".")[1] for k in pieces}  # custom_0.<piece>.model...: each piece once, whatever the dp copies
-    assert names == {"dp2_tp2": {"tp0", "tp1"}, "cp2": {"whole"}, "pp2": {"pp0", "pp1"},
+    assert names == {"dp2_tp2": {"tp0", "tp1"}, "cp2": {"whole"}, "pp2_cp2": {"pp0", "pp1"},
                      "tp2_pp2": {"pp0tp0", "pp0tp1", "pp1tp0", "pp1tp1"}}[name], names
     monkeypatch.setenv("WORLD_SIZE", str(world))  # the layout is part of the checkpoint: another one is refused
     with pytest.raises(ConfigError, match=f"--{name[-3:-1]} saved 2, now 1"):
@@ -173,6 +184,80 @@ def test_mesh_resumes_on_another_dp(runs, tmp_path):
     assert json.loads((again / "run.json").read_text())["parallel"]["dp"] == 1
 
 
+# dp × tp × pp × cp on 8 processes, the trainer's step (`Mesh`) on its tiny GPT-2, against one process on the same
+# global batch: one launch forked from here (no imports repeated), the layouts in turn, a few steps each (8
+# trainer processes on 2 cores take a minute). The tiny preset's shape with 4 heads: Ulysses under tp 2 × cp 2
+# needs n_head/tp divisible by cp. Clipping at 0.1 acts at every step.
+LAYOUTS_4D = {"tp2_pp2_cp2": dict(tp=2, pp=2, cp=2), "dp2_pp2_cp2": dict(pp=2, cp=2),
+              "dp2_pp2_cp2_ulysses": dict(pp=2, cp=2, cp_impl="ulysses"),
+              "tp2_pp2_cp2_ulysses": dict(tp=2, pp=2, cp=2, cp_impl="ulysses")}
+STEPS_4D, GA_4D, CLIP_4D = 3, 2, 0.1  # 1F1B: at least pp micro-batches per step
+OPT_4D = dict(lr=3e-3, weight_decay=0.1, warmup_steps=1, max_steps=STEPS_4D, pp_schedule="1f1b")
+
+
+def batches_4d():
+    "STEPS_4D x GA_4D global micro-batches of 4 sequences of 32 tokens, the last target of each -100."
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": x, "labels": x.clone()} for x in
+            (torch.randint(0, 100, (4, 32), generator=g) for _ in range(STEPS_4D * GA_4D))]
+
+
+def one_process_4d(hf, out):
+    "Losses and pre-clip gradient norms of one process on batches_4d; step 1's gradients into out/one.pt."
+    model = copy.deepcopy(hf)
+    opt, batches, losses, norms = make_optimizer(model, OPT_4D["lr"], OPT_4D["weight_decay"]), batches_4d(), [], []
+    sched = make_scheduler(opt, OPT_4D["warmup_steps"], STEPS_4D)
+    for s in range(STEPS_4D):
+        micro = batches[s * GA_4D:(s + 1) * GA_4D]
+        n, total = sum(count_targets(b, "clm") for b in micro), 0.0
+        for b in micro:
+            loss, _ = loss_sum(model, b, "clm")
+            (loss / n).backward()
+            total += loss.item()
+        norms.append(sum(p.grad.pow(2).sum() for p in model.parameters()).sqrt().item())
+        if s == 0: torch.save({k: p.grad.clone() for k, p in model.named_parameters()}, out / "one.pt")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_4D)
+        opt.step(), sched.step(), opt.zero_grad(set_to_none=True)
+        losses.append(total / n.item())
+    return losses, norms
+
+
+def mesh_4d_worker(out, hf):
+    "Worker: every LAYOUTS_4D mesh in turn on batches_4d; rank 0 writes its losses, norms, step 1's gradients."
+    dist.init_process_group("gloo")
+    for name, kw in LAYOUTS_4D.items():
+        mesh, first = Mesh(copy.deepcopy(hf), SimpleNamespace(**{"tp": 1, **kw}, **OPT_4D)), {}
+        def keep(mesh, step):  # step 1's summed gradients, before clipping, under GPT-2's names
+            if step == 1: first.update(mesh.full_grads())  # a collective: every rank calls it
+        res = [r for _, r in mesh.train_steps(iter(batches_4d()), STEPS_4D, 0, GA_4D, CLIP_4D, keep)]
+        if dist.get_rank() == 0:
+            torch.save(first, out / f"{name}.pt")
+            (out / f"{name}.json").write_text(json.dumps({"losses": [r["loss"] for r in res],
+                                                         "norms": [r["grad_norm"] for r in res],
+                                                         "parallel": {**mesh.d, "cp_impl": mesh.cp_impl}}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_4d_meshes_equal_one_process(tmp_path):
+    "tp 2 × pp 2 × cp 2 and dp 2 × pp 2 × cp 2, with the ring and with Ulysses: losses, norms, gradients."
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=64, n_layer=2, n_head=4, n_embd=64, resid_pdrop=0,
+                                    embd_pdrop=0, attn_pdrop=0))
+    want_losses, want_norms = one_process_4d(hf, tmp_path)
+    assert min(want_norms) > CLIP_4D  # clipping acts at every step
+    launch(partial(mesh_4d_worker, hf=hf), (tmp_path,), num_processes=8, timeout=240)
+    for name, kw in LAYOUTS_4D.items():
+        got = json.loads((tmp_path / f"{name}.json").read_text())
+        losses, norms = worst_rel(want_losses, got["losses"]), worst_rel(want_norms, got["norms"])
+        grads = grads_diff(tmp_path / "one.pt", tmp_path / f"{name}.pt")
+        print(f"{name}: losses {losses:.1e}, gradient norms {norms:.1e}, step 1's gradients {grads:.1e}")
+        assert losses <= 1e-5 and norms <= NORM_TOL and grads <= GRAD_TOL, (name, losses, norms, grads)
+        assert got["parallel"] == {"dp": 8 // (kw.get("tp", 1) * 4), "tp": kw.get("tp", 1), "pp": 2, "cp": 2,
+                                   "cp_impl": kw.get("cp_impl", "ring")}
+
+
 def test_layout_tp_innermost_pp_outermost():
     "The field's rank order (Megatron-Core's tp-cp-ep-dp-pp, torchtitan's pp, dp, cp, tp): tp fastest, pp slowest."
     lay = mesh_layout(8, tp=2, pp=2)  # dp 2
@@ -195,7 +280,10 @@ BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
        (["--pp", "2", "--grad_accum", "1"], 2, "1F1B needs at least as many micro-batches as stages"),
        (["--pp", "4", "--grad_accum", "4"], 4, "n_layer=2 is fewer than pp=4"),
        (["--cp", "2", "--seq_len", "30"], 2, "seq_len=30 is not divisible by 2 x cp = 4"),
-       (["--cp", "2", "--pp", "2", "--grad_accum", "2"], 4, "--pp does not compose with --cp yet"),
+       (["--cp", "2", "--tp", "2", "--cp_impl", "ulysses"], 4, "--cp_impl ulysses deals every cp rank whole heads: "
+        "n_head/tp = 1 heads do not split over cp=2; use a cp that divides 1, or --cp_impl ring"),
+       (["--cp", "2", "--seq_len", "31", "--cp_impl", "ulysses"], 2, "T=31 tokens do not cut into 2 equal chunks"),
+       (["--cp_impl", "zigzag"], 1, "--cp_impl 'zigzag': choose one of ring, ulysses"),
        (["--tp", "2", "--task", "cls"], 2, "use --task clm"),
        (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose 'gpipe' or '1f1b'")]
 

@@ -57,8 +57,8 @@ FAULTS = [
           "    def backward(ctx, grad): "
           'return all_reduce_(grad.clone(), ctx.group, "backward", None), None, None',
           "tp2", "g's backward sums the tp ranks' equal copies of the gradient"),
-    fault("cp: mean where sum", "mesh", 'dist.all_reduce(g, group=self.g["cp"])',
-          'dist.all_reduce(g, group=self.g["cp"]); g.div_(self.d["cp"])', "cp2",
+    fault("cp: mean where sum", "mesh", "    if on_grads: on_grads(self)\n",
+          '    for g in grads: g.div_(self.d["cp"])\n    if on_grads: on_grads(self)\n', "cp2",
           "the chunks' gradients averaged over cp"),
     fault("cp: sum where mean", "mesh", "    sq = split + whole\n",
           '    sq = split + whole\n'
@@ -76,8 +76,9 @@ FAULTS = [
           "each step's first micro-batch read but not trained on"),
     fault("tied sync removed", "pipeline", "dist.all_reduce(weight.grad, group=groups.embed)",
           "pass", "pp2", "wte (first stage) and lm_head (last) keep their own gradients"),
-    fault("zig-zag shifted", "context_parallel", 'return seq_positions(T, rank, cp, "zigzag", device)',
-          'return (seq_positions(T, rank, cp, "zigzag", device) + T // (2 * cp)) % T', "cp2",
+    fault("zig-zag shifted", "context_parallel",
+          "return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])",
+          "return (torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids]) + c) % T", "cp2",
           "every rank's positions one chunk later (mod T)"),
     fault("ZeRO shard offset", "zero",
           "lo, hi = self.rank * s.numel(), (self.rank + 1) * s.numel()",

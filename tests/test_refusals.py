@@ -64,8 +64,8 @@ def test_mesh_rows_refuse_a_batch_dp_cannot_split():
     assert x.tolist() == [[4, 5, 6, 7]] and y.tolist() == [[5, 6, 7, -100]]
 
 
-DROPOUT = [(["--cp", "2"], "--cp 2 with --model base (dropout 0.1): ring attention has no "
-                           "attention dropout"),
+DROPOUT = [(["--cp", "2"], "--cp 2 with --model base (dropout 0.1): ring and Ulysses "
+                           "attention have no attention dropout"),
            (["--pp", "2", "--grad_accum", "2"], "--pp 2 with --model base (dropout 0.1): every "
                                                 "pipeline stage starts from the same seed")]
 

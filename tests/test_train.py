@@ -36,7 +36,7 @@ def test_outputs(runs):
                 "config", "wall_time_s", "final"):
         assert key in run, key
     assert run["world_size"] == 1 and run["config"]["model"] == "tiny"
-    assert run["parallel"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
+    assert run["parallel"] == {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "cp_impl": None}
     assert run["memory"]["activation_bytes"] > 0 and run["memory"]["grads_bytes"] > 0
     assert [r["optimizer_bytes"] for r in run["memory"]["per_rank"]] == [run["memory"]["optimizer_bytes"]]
     peak, mem = run["memory"]["peak_first_step"]["cpu"], run["memory"]  # measured (PeakMemory) beside counted
@@ -72,7 +72,7 @@ def test_two_processes_are_real_and_equal(runs):
     assert run2["world_size"] == 2 and run2["distributed_type"] == "MULTI_CPU"
     assert run2["utilisation"]["tokens_processed"] == 12 * 8 * 64  # both ranks' tokens, summed
     train2 = [r for r in records(o2) if "split" not in r]  # every rank's memory, not rank 0's alone
-    assert all(r["rss_mb_min"] <= r["rss_mb_max"] for r in train2) and run2["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "cp": 1}
+    assert all(r["rss_mb_min"] <= r["rss_mb_max"] for r in train2) and run2["parallel"] == {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "cp_impl": None}
     assert run2["memory"]["rss_mb_max_all_ranks"] >= run2["memory"]["rss_mb_min_all_ranks"] > 0
     for r in run2["memory"]["per_rank"]:  # each rank's own first step, measured: whole weights and gradients (DDP)
         assert r["peak_first_step"]["cpu"]["PARAM"] == r["params_bytes"] == r["grads_bytes"], r
