@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import ACCELERATE, PY, ROOT, free_port, grads_diff, run_cli, worst_rel
+from conftest import ACCELERATE, ROOT, free_port, grads_diff, run_cli, trainer_cmd, worst_rel
 from distcourse.config import ConfigError, parse_args
 from distcourse.launch import launch
 from distcourse.loop import count_targets, loss_sum, make_optimizer, make_scheduler
@@ -57,11 +57,8 @@ def runs(tmp_path_factory):
     layouts save checkpoints at steps 10 and 20."""
     tmp = tmp_path_factory.mktemp("mesh")
     def run(name, world, flags):  # two runs at a time: much of a run is imports and process starts, one core each
-        launcher = [PY] if world == 1 else [*ACCELERATE, "--multi_gpu", "--num_processes", str(world),
-                                            "--main_process_port", str(free_port())]
-        saves = [] if world == 1 else ["--save_every", "10" if name in RESUMED else "0"]
-        return run_cli([*launcher, "-m", "distcourse.train", *ARGS, *flags, *saves, "--output_dir", str(tmp / name)],
-                       timeout=240)
+        saves = [] if world == 1 else ["--save_every", "10" if name in RESUMED else "0"]  # ranks forked: see conftest
+        return run_cli([*trainer_cmd(world), *ARGS, *flags, *saves, "--output_dir", str(tmp / name)], timeout=300)
     with ThreadPoolExecutor(2) as pool:
         procs = {name: pool.submit(run, name, *layout) for name, layout in {"one": (1, []), **MESHES}.items()}
         for name, proc in procs.items(): assert proc.result().returncode == 0, (name, proc.result().stderr[-3000:])
@@ -153,9 +150,8 @@ def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world))  # the layout is part of the checkpoint: another one is refused
     with pytest.raises(ConfigError, match=f"--{name[-3:-1]} saved 2, now 1"):
         parse_args([*ARGS, "--save_every", "10", "--resume", "latest", "--output_dir", str(again)])
-    proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", str(world), "--main_process_port", str(free_port()),
-                    "-m", "distcourse.train", *ARGS, *flags, "--save_every", "10", "--resume", "latest",
-                    "--output_dir", str(again)], timeout=240)
+    proc = run_cli([*trainer_cmd(world), *ARGS, *flags, "--save_every", "10", "--resume", "latest",
+                    "--output_dir", str(again)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert train_losses(again) == train_losses(runs / name)  # bit for bit: the same layout, the same arithmetic
     assert train_losses(again, "grad_norm") == train_losses(runs / name, "grad_norm")  # exact too
@@ -167,7 +163,7 @@ def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
 
 
 def test_mesh_resumes_on_another_dp(runs, tmp_path):
-    "dp 2 × tp 2's step-10 checkpoint resumed by dp 1 × tp 2 (2 processes, twice the batch_size: the same global batch)."
+    "dp 2 × tp 2's step-10 checkpoint resumed by dp 1 × tp 2 under `accelerate launch` (twice the batch_size: the same global batch)."
     again = tmp_path / "tp2"
     shutil.copytree(runs / "dp2_tp2", again)
     shutil.rmtree(again / "checkpoints/step_20")
