@@ -57,10 +57,13 @@ def cores() -> int:
 
 def _free_openmp_threads():  # GNU OpenMP's pool does not survive a fork (a child using it hangs): free it
     if pause := getattr(ctypes.CDLL(None), "omp_pause_resource_all", None): pause(2)  # hard; remade on use
+def _own_bar_lock():  # tqdm's cross-process lock is shared by every process forked from one: a forked process uses
+    _bars.release(); TqdmDefaultWriteLock.acquire = lambda self, *a, **k: _bars.acquire(*a, **k)  # only its own
+    TqdmDefaultWriteLock.release = lambda self: _bars.release()  # lock (one killed holding it blocks all for ever)
 
 os.register_at_fork(before=_free_openmp_threads)  # launch, notebook_launcher, DataLoader workers: all fork
 _bars = TqdmDefaultWriteLock.th_lock  # tqdm's thread lock: its monitor thread holds it an instant every 10 s
-os.register_at_fork(before=_bars.acquire, after_in_parent=_bars.release, after_in_child=_bars.release)
+os.register_at_fork(before=_bars.acquire, after_in_parent=_bars.release, after_in_child=_own_bar_lock)
 
 # %% ../nbs/02a_launch.ipynb #c20d7c2a
 def _start_dir(parent, port) -> Path:  # the forking process's pid, the run's rendezvous port
@@ -81,8 +84,7 @@ def _worker(fn, threads, *args):
     "Runs in each launched process: the start line, a fair share of the cores, `fn`, then leave together."
     _start_line()  # no connection while a sibling is being forked (see the text)
     torch.set_num_threads(threads)
-    for quiet in (disable_datasets_bars, disable_hub_bars, disable_transformers_bar):
-        quiet()  # a forked process writes into the notebook's kernel channel: its widget bars arrive as stray messages
+    for quiet in (disable_datasets_bars, disable_hub_bars, disable_transformers_bar): quiet()  # see the text
     result = fn(*args)
     if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # a rank exiting early can abort another
     return result
@@ -118,8 +120,7 @@ def time_limit(seconds):  # how long the processes started in the body may run b
         fired.set()
         for child in psutil.Process().children(recursive=True):
             if child.pid not in before: child.kill()  # the launcher sees its workers die and raises
-    timer = threading.Timer(seconds, stop)
-    timer.daemon = True
+    (timer := threading.Timer(seconds, stop)).daemon = True
     timer.start()
     try: yield
     except Exception:
@@ -204,8 +205,7 @@ def lone_accelerate_launch() -> bool:
             and not any(v in e for v in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")))  # not torchrun/MPI
 
 # %% ../nbs/02a_launch.ipynb #f2592411
-class WorldSizeError(RuntimeError):
-    "The launcher started another number of processes than it was asked for."
+class WorldSizeError(RuntimeError): "The launcher started another number of processes than it was asked for."
 
 def verify_world_size(accelerator,
                       expected=None):  # processes that should exist; None: read what the launcher set

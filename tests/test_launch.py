@@ -181,6 +181,25 @@ def test_a_fork_while_tqdm_lock_is_held_does_not_hang():
     finally: go.set(); t.join()
 
 
+KILLED_HOLDING_THE_LOCK = """
+import multiprocessing, os, signal
+from tqdm.std import TqdmDefaultWriteLock, tqdm
+from distcourse.launch import launch
+tqdm(range(1), disable=True)  # tqdm's cross-process lock exists now, shared by every process forked from here
+shared = TqdmDefaultWriteLock.mp_lock
+def dies_holding_it(): shared.acquire(); os.kill(os.getpid(), signal.SIGKILL)  # as a rank stopped mid-bar
+def a_bar(): tqdm(range(3), disable=True); return "done"
+killed = multiprocessing.get_context("fork").Process(target=dies_holding_it); killed.start(); killed.join()
+print(launch(a_bar, num_processes=1, timeout=20))
+"""
+
+
+def test_a_process_killed_holding_tqdm_lock_blocks_no_later_launch():
+    "A process killed inside tqdm's cross-process lock leaves it held for ever: a later launch's bars must not wait."
+    proc = subprocess.run([PY, "-c", KILLED_HOLDING_THE_LOCK], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "done", proc.stderr[-2000:]
+
+
 def test_bad_num_processes():
     with pytest.raises(ValueError, match="num_processes=0"):
         launch(print, num_processes=0)
