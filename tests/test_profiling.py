@@ -85,7 +85,8 @@ def test_ddp_no_overlap_on_two_processes(tmp_path):
         assert len(t["steps"]) == steps and t["compute"]
         assert len(gloo) == steps * 2 * layers  # a weight and a bias per layer, every step
         assert {e["tid"] for e in gloo} <= set(t["comm"]) and t["main"] not in {e["tid"] for e in gloo}
-        assert all("gloo" in t["threads"][e["tid"]] for e in gloo)
+        # not asserted: the threads' names. gloo renames its threads once started; under load in CI a trace kept
+        # another name for one of them (test_reader_exact checks the names read from a written trace)
         for (s0, s1), (b0, b1) in zip(t["steps"], t["backward"]):  # no_sync: nothing starts before backward ends
             mine = [s for tid in {e["tid"] for e in gloo} for s, _ in t["comm"][tid] if s0 <= s < s1]
             assert mine and min(mine) >= b1
