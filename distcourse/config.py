@@ -143,17 +143,14 @@ def _check_global_batch(path, state, cfg):
                       f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
-_DROPOUT_WHY = {  # why cp and pp refuse dropout for now (one process draws every mask afresh); tp draws
-    # its split heads' masks from a state per rank (05c's RNG tracker), proved in tests/test_tp_dropout.py
+_DROPOUT_WHY = {  # why cp and pp refuse dropout (tp draws its heads' masks per rank: 05c, tests/test_tp_dropout.py)
     "cp": "ring and Ulysses attention have no attention dropout, and context-parallel ranks would draw the "
           "same masks for different tokens (their chunks would need a random state per cp rank)",
     "pp": "every pipeline stage starts from the same seed, so its layers' masks repeat another "
           "stage's instead of being drawn independently (stages would need seeds of their own)"}
 
-def _mesh_dropout(model) -> float:  # a preset's name (the mesh trains presets only)
-    "The dropout the mesh would train `model` with (a preset's None: the library's GPT-2 default)."
-    p = PRESETS[model]["dropout"]
-    return AutoConfig.for_model("gpt2").resid_pdrop if p is None else p
+def _mesh_dropout(model) -> float:  # a preset's name (the mesh trains presets only); None: GPT-2's default
+    return AutoConfig.for_model("gpt2").resid_pdrop if (p := PRESETS[model]["dropout"]) is None else p
 
 def _check_mesh_dropout(cfg):
     "Refuse dropout > 0 under --cp or --pp before any process group: say why, and the fix."
@@ -175,9 +172,8 @@ def _check_mesh(cfg):
     if cfg.model not in PRESETS or cfg.task != "clm":
         raise ConfigError(f"{flags} with --task {cfg.task} --model {cfg.model}: the mesh trains {SUPPORTED}; "
                           f"use --task clm and --model one of {', '.join(PRESETS)}")
-    for k, off in (("zero_stage", 0), ("activation_checkpointing", False)):
-        if getattr(cfg, k) != off: raise ConfigError(
-            f"{flags} with --{k} {getattr(cfg, k)}: not supported on the mesh yet; leave --{k} at {off!r}")
+    if k := next((k for k in ("zero_stage", "activation_checkpointing") if getattr(cfg, k)), None):
+        raise ConfigError(f"{flags} with --{k} {getattr(cfg, k)}: not supported on the mesh yet; leave --{k} at {getattr(Config, k)!r}")
     _check_mesh_dropout(cfg)
     sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read
     try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,

@@ -9,7 +9,7 @@ __all__ = ['check_deepspeed', 'choices', 'train', 'fingerprint', 'main']
 import multiprocessing
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -27,16 +27,16 @@ from .evaluation import evaluate_distributed
 from .launch import WorldSizeError, all_ranks_reach, cpu_threads, local_processes, make_accelerator
 from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
-from .memory import PeakMemory, track_memory
+from .memory import peak_first_step, track_memory
 from .mesh import Mesh
 from .model import build_model, check_compat, num_params
-from .outputs import Run, push_to_hub
+from .outputs import Run, push_to_hub, save_model
 from .precision_choice import resolve_precision
 from .recompute import activation_bytes, checkpoint_blocks
 from .reshard import MeshState
 from .resume import ShardedState
 from .tracking import Meter, resolve_tracker, start_tracking
-from .zero import check_stage, full_state_dict, prepare_zero
+from .zero import check_stage, prepare_zero
 
 # %% ../nbs/09a_train.ipynb #ecbe43bf
 def _start(cfg):
@@ -143,15 +143,6 @@ def _grads_saver(acc, cfg):
         if acc.is_main_process: torch.save(grads, Path(cfg.output_dir, f"grads_step{step}.pt"))
     return save if cfg.grads_at else None
 
-def _peak_first_step(steps, model, opt, memory):  # steps: a generator of (step, result); model, opt: this rank's
-    "`steps`, the first inside `PeakMemory`: memory['peak_first_step'][device][category], bytes (measured)."
-    try: pm = PeakMemory(model, opt, getattr(opt, "grad_slices", ()))
-    except TypeError as e: pm, memory["peak_first_step"] = None, f"not measured: {e}"  # e.g. DeepSpeed's engine
-    with pm or nullcontext(): first = next(steps, None)  # the first step only: the tracker slows every step
-    if pm: memory["peak_first_step"] = pm.peaks
-    if first is not None: yield first
-    yield from steps
-
 def train(config=None, **overrides) -> dict:
     "Train as `config` (a `Config`, a dict, or flags as keyword arguments) says; returns the summary."
     cfg = validate(replace(config if isinstance(config, Config) else Config(**(config or {})), **overrides))
@@ -176,7 +167,7 @@ def train(config=None, **overrides) -> dict:
     before = _before(acc, run, model, val_dl, cfg, resumed)
     steps = train_steps(acc, model, opt, sched, meter.counted(stream), cfg.task, cfg.max_steps, start,
                         cfg.grad_accum, cfg.max_grad_norm, loss_fn, _grads_saver(acc, cfg))
-    steps = _peak_first_step(steps, model, opt, memory)  # measured; the *_bytes beside it are counted
+    steps = peak_first_step(steps, model, opt, memory)  # measured; the *_bytes beside it are counted
     after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
                   lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
     memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
@@ -203,7 +194,7 @@ def _train_mesh(cfg) -> dict:
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
     steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
                              _grads_saver(acc, cfg))
-    steps = _peak_first_step(steps, mesh.model, mesh.opt, memory)  # this rank's piece, measured
+    steps = peak_first_step(steps, mesh.model, mesh.opt, memory)  # this rank's piece, measured
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
                   lambda: evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task))
@@ -242,20 +233,10 @@ def _before(acc, run, model, val_dl, cfg, resumed) -> dict:
     return metrics
 
 # %% ../nbs/09a_train.ipynb #f47059dc
-def _save_model(acc, model, tok, path):
-    "`save_pretrained` the whole model (sharded ones are gathered first: every rank calls this) and the tokenizer."
-    deepspeed = acc.distributed_type == DistributedType.DEEPSPEED  # ZeRO-3: each rank holds partitions only
-    state = acc.get_state_dict(model) if deepspeed else full_state_dict(acc.unwrap_model(model))  # a collective
-    if not acc.is_main_process: return
-    net = acc.unwrap_model(model)
-    net.config.architectures = [next(c.__name__ for c in type(net).__mro__ if not c.__name__.startswith("FSDP"))]
-    net.save_pretrained(path, state_dict=state)
-    tok.save_pretrained(path)
-
 def _finish(acc, cfg, run, model, tok, before, after, val_size, extra) -> dict:
     "Save the model and tokenizer, write run.json and metrics.png, print the summary; push to the Hub if asked."
     acc.wait_for_everyone()
-    _save_model(acc, model, tok, run.out / "model")
+    save_model(acc, model, tok, run.out / "model")
     metric = "accuracy" if cfg.task == "cls" else "perplexity"
     summary = {"world_size": acc.num_processes, "distributed_type": str(acc.distributed_type.value),
                "mixed_precision": acc.mixed_precision, "device": str(acc.device),

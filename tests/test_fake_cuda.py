@@ -343,7 +343,7 @@ def trainer_step(hf, layout, rank, out_dir) -> tuple:
             res["memory"] = memory
             if zero2 is None: _save(acc, cfg, 1, res["tokens"], stream)
             else: opt.consolidate_state_dict(to=0)  # its own save: the whole state on rank 0
-            full = zero.full_state_dict(acc.unwrap_model(model))  # what `_save_model` writes
+            full = zero.full_state_dict(acc.unwrap_model(model))  # what `save_model` writes
         return acc.unwrap_model(model), opt, sched, res, full
     finally: dist.destroy_process_group()
 

@@ -27,7 +27,7 @@ def zero3_worker(out_dir):
     import yaml
     from distcourse.data import get_tokenizer
     from distcourse.model import build_model, num_params
-    from distcourse.train import _save_model
+    from distcourse.outputs import save_model
     ds = yaml.safe_load((ROOT / "configs/accelerate/zero3_offload.yaml").read_text())["deepspeed_config"]
     ds.update(offload_optimizer_device="none", offload_param_device="none")
     acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(**ds))  # not cpu=True: that drops the plugin
@@ -45,7 +45,7 @@ def zero3_worker(out_dir):
     seen.update(numel_prepared=sum(p.numel() for p in net.parameters()), count_params=num_params(net),
                 partitioned=sum(p.numel() == 0 < p.ds_numel for p in net.parameters()),
                 state_dict_numel=sum(v.numel() for v in net.state_dict().values()))
-    _save_model(acc, model, tok, Path(out_dir, "model"))
+    save_model(acc, model, tok, Path(out_dir, "model"))
     Path(out_dir, "seen.json").write_text(json.dumps(seen))
 
 
