@@ -25,6 +25,7 @@ from .data import hub_offline
 from .memory import STAGES
 from .mesh import CP_IMPLS, SUPPORTED, check_degrees
 from .model import PRESETS
+from .profiling import step_range
 from .tracking import resolve_tracker
 
 # %% ../nbs/09_config.ipynb #fedfc7ff
@@ -50,6 +51,7 @@ class Config:
     save_every: int = 0          # checkpoint every N steps; 0: no intermediate checkpoints
     keep_checkpoints: int = 3    # complete checkpoints kept, newest first
     log_every: int = 10          # a train record in metrics.jsonl every N steps
+    profile_steps: str = ""      # A:B: trace steps A..B with torch.profiler, traces/rank<r>.json (ui.perfetto.dev)
     grads_at: int = 0            # grads_step<N>.pt: step N's full gradients, pre-clip; 0: none
     seed: int = 0                # initial weights, data split and order
     mixed_precision: str = "auto"  # auto (bf16 where the device computes in bf16 natively, else no), no, bf16, fp16
@@ -212,6 +214,7 @@ def validate(cfg: Config) -> Config:
     n_pos = _positions(cfg.model)
     need(n_pos is None or cfg.seq_len <= n_pos, f"--seq_len {cfg.seq_len} exceeds the model's {n_pos} "
          f"positions; pass --seq_len {n_pos} or a model with more positions")
+    step_range(cfg.profile_steps, cfg.max_steps, ConfigError)  # --profile_steps A:B
     _resume_path(cfg)
     _check_mesh(cfg)
     out = Path(cfg.output_dir)

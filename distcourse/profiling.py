@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['STEP', 'BACKWARD', 'COMM_PREFIXES', 'profile_steps', 'union', 'total', 'minus', 'clip', 'is_comm', 'thread_names',
            'read_trace', 'step_times', 'exposed_summary', 'mlp', 'overlap_worker', 'predicted_exposed_s',
-           'exposed_comm_fraction']
+           'exposed_comm_fraction', 'step_range', 'profiled']
 
 # %% ../nbs/03b_profiling.ipynb #a964a9f1
 import json
@@ -190,3 +190,43 @@ def exposed_comm_fraction(bucket_cap_mb=2,  # DDP's bucket MiB; None: no overlap
         args = (d, {"run": bucket_cap_mb}, width, layers, batch, steps)
         launch(overlap_worker, args, num_processes=2)
         return exposed_summary(read_trace(d / "run-rank0-0.json"))
+
+# %% ../nbs/03b_profiling.ipynb #a4e4ad99
+def step_range(spec,              # "A:B": optimizer steps A to B, both included; "": none
+               max_steps,         # the run's last step
+               error=ValueError,  # what to raise (the trainer's ConfigError)
+              ) -> tuple:
+    "(A, B) from `--profile_steps A:B`, with 1 <= A <= B <= max_steps; () for an empty spec."
+    if not spec: return ()
+    a, _, b = spec.partition(":")
+    if a.isdigit() and b.isdigit() and 1 <= int(a) <= int(b) <= max_steps: return int(a), int(b)
+    raise error(f"--profile_steps {spec!r}: must be A:B, optimizer steps with 1 <= A <= B <= --max_steps "
+                f"({max_steps}); e.g. --profile_steps {min(2, max_steps)}:{min(3, max_steps)}, or leave it empty")
+
+def profiled(steps,    # the trainer's generator of (step, result) pairs
+             spec,     # --profile_steps, "A:B"; "": nothing recorded
+             out_dir,  # the run's directory: each rank writes traces/rank<r>.json
+             start=0,  # steps already done (a resumed run): the first pair is step start + 1
+            ):
+    "`steps`, with steps A..B recorded by `torch.profiler`, each in a `distcourse:step` annotation."
+    if not spec: return (yield from steps)
+    (a, b), step, prof, last = step_range(spec, float("inf")), start, None, None
+    on_gpu = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # kernels on their streams
+    while step < b:  # `step`: the last one done
+        if prof is None and step + 1 >= a:
+            prof = profile(activities=[ProfilerActivity.CPU, *on_gpu])
+            prof.start()
+        if prof is None: pair = next(steps, None)  # before step A: not recorded
+        else:  # the reader's annotation, and one that says which step it is (Perfetto shows both)
+            with record_function(STEP), record_function(f"{STEP} {step + 1}"): pair = next(steps, None)
+        if pair is None: break  # the run ended first
+        step = pair[0]
+        if step < b: yield pair
+        else: last = pair  # step B: yielded once its trace is written
+    if prof:
+        prof.stop()
+        path = Path(out_dir, "traces", f"rank{dist.get_rank() if dist.is_initialized() else 0}.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+    if last: yield last
+    yield from steps

@@ -32,6 +32,7 @@ from .mesh import Mesh
 from .model import build_model, check_compat, num_params
 from .outputs import Run, push_to_hub, save_model
 from .precision_choice import resolve_precision
+from .profiling import profiled
 from .recompute import activation_bytes, checkpoint_blocks
 from .reshard import MeshState
 from .resume import ShardedState
@@ -168,6 +169,7 @@ def train(config=None, **overrides) -> dict:
     steps = train_steps(acc, model, opt, sched, meter.counted(stream), cfg.task, cfg.max_steps, start,
                         cfg.grad_accum, cfg.max_grad_norm, loss_fn, _grads_saver(acc, cfg))
     steps = peak_first_step(steps, model, opt, memory)  # measured; the *_bytes beside it are counted
+    steps = profiled(steps, cfg.profile_steps, cfg.output_dir, start)  # --profile_steps: traces/rank<r>.json
     after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
                   lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
     memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
@@ -195,6 +197,7 @@ def _train_mesh(cfg) -> dict:
     steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
                              _grads_saver(acc, cfg))
     steps = peak_first_step(steps, mesh.model, mesh.opt, memory)  # this rank's piece, measured
+    steps = profiled(steps, cfg.profile_steps, cfg.output_dir, start)  # this rank's trace of steps A..B
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
                   lambda: evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task))

@@ -1,9 +1,13 @@
 """`distcourse.profiling`: the trace reader on hand-made traces (exact intervals, exposed time exact), and one
-2-process DDP step profiled on gloo (what the trace holds; its times are measurements, never asserted)."""
+2-process DDP step profiled on gloo (what the trace holds; its times are measurements, never asserted); the
+trainer's --profile_steps on its two paths, and its refusals."""
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from conftest import run_cli, trainer_cmd
+from distcourse.config import ConfigError, parse_args
 from distcourse.profiling import (BACKWARD, STEP, exposed_comm_fraction, exposed_summary, minus,
                                   predicted_exposed_s, read_trace, step_times, total, union)
 
@@ -91,3 +95,34 @@ def test_ddp_no_overlap_on_two_processes(tmp_path):
             mine = [s for tid in {e["tid"] for e in gloo} for s, _ in t["comm"][tid] if s0 <= s < s1]
             assert mine and min(mine) >= b1
         for row in step_times(t): assert 0 < row["comm"] and 0 <= row["exposed"] <= row["comm"] <= row["step"]
+
+
+@pytest.mark.parametrize("bad", ["3:2", "0:1", "a:b", "2:4", "2"])
+def test_profile_steps_refused(bad, tmp_path):
+    "A bad --profile_steps is refused before any process starts, with the range it must be in."
+    with pytest.raises(ConfigError, match=r"--profile_steps .*must be A:B, .*1 <= A <= B <= --max_steps \(3\)"):
+        parse_args(["--model", "tiny", "--max_steps", "3", "--profile_steps", bad, "--output_dir", str(tmp_path)])
+
+
+def test_trainer_profile_steps(tmp_path):
+    """The trainer's --profile_steps 2:3 on 2 processes, its two paths at once (DDP; the mesh, tp 2): each rank's
+    trace holds steps 2 and 3 and their gloo all-reduces, read back by read_trace."""
+    flags = ["--model", "tiny", "--max_steps", "3", "--profile_steps", "2:3", "--seq_len", "32", "--batch_size", "4",
+             "--max_examples", "300", "--eval_every", "0", "--tracker", "none", "--mixed_precision", "no",
+             "--compile", "false"]
+    runs = {"ddp": [], "tp2": ["--tp", "2"]}
+    with ThreadPoolExecutor(2) as pool:  # two runs at a time: most of a run is imports and process starts
+        procs = dict(zip(runs, pool.map(lambda kv: run_cli([*trainer_cmd(2, 120), *flags, *kv[1], "--output_dir",
+                                                            str(tmp_path / kv[0])], timeout=180), runs.items())))
+    for name, proc in procs.items():
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+        for rank in (0, 1):
+            path = tmp_path / name / "traces" / f"rank{rank}.json"
+            events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+            assert [e["name"] for e in events if e["name"].startswith(STEP + " ")] == [f"{STEP} 2", f"{STEP} 3"]
+            t = read_trace(path)
+            assert len(t["steps"]) == 2 and t["compute"]
+            gloo = [(e["ts"] - t["start"] * 1e3) / 1e3 for e in events if e["name"] == "gloo:all_reduce"]
+            for s0, s1 in t["steps"]: assert any(s0 <= s < s1 for s in gloo), (name, rank)  # in each step
+            s = exposed_summary(t)
+            assert 0 <= s["exposed_fraction"] <= 1 and 0 <= s["exposed_s"] <= s["comm_s"] <= s["step_s"]
