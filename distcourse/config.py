@@ -36,7 +36,7 @@ COMPILE_MIN_STEPS = 300  # measured on 2 CPU cores: compiling costs 18-31 s and 
 class Config:
     "One training run; YAML keys and CLI flags have these names."
     task: str = "clm"            # clm (causal LM), mlm (masked LM) or cls (sequence classification)
-    model: str = "small"         # a preset (tiny, small, base), a local directory or a Hub id
+    model: str = "small"         # a preset (tiny, small, base; tiny-moe, small-moe: lesson 05m), a local directory or a Hub id
     dataset: str = "stdlib"      # stdlib, a local .txt/.json/.jsonl/.csv file or a Hub dataset id
     tokenizer: str = "stdlib"    # stdlib (BPE trained on the corpus), a local directory or a Hub id
     seq_len: int = 128           # tokens per example (block length when packing)
