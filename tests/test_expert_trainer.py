@@ -54,8 +54,11 @@ def test_ep2_equals_one_process(runs):
     assert a.keys() == b.keys()
     diff = sum((b[k] - w).pow(2).sum() for k, w in a.items()).sqrt() / sum(w.pow(2).sum() for w in a.values()).sqrt()
     assert diff <= 1e-4, diff
-    run = json.loads((ep2 / "run.json").read_text())
+    run, ref = (json.loads((d / "run.json").read_text()) for d in (ep2, one))
     assert run["parallel"]["dp"] == 2 and run["parallel"]["ep"] == 2 and run["parallel"]["experts_per_rank"] == 2
+    for when in ("before", "final"):  # validation through the ep model: every rank its rows, the same numbers
+        assert abs(run[when]["loss"] - ref[when]["loss"]) <= 1e-5 * ref[when]["loss"], when
+        assert run[when]["samples"] == ref[when]["samples"]
 
 
 def test_memory_and_flops_as_predicted(runs):
