@@ -22,6 +22,7 @@ from transformers import AutoConfig
 
 from .checkpoint import MARKER, latest_checkpoint, read_state
 from .data import hub_offline
+from .expert_mesh import MOE_PRESETS, check_experts
 from .memory import STAGES
 from .mesh import CP_IMPLS, SUPPORTED, check_degrees
 from .model import PRESETS
@@ -36,7 +37,7 @@ COMPILE_MIN_STEPS = 300  # measured on 2 CPU cores: compiling costs 18-31 s and 
 class Config:
     "One training run; YAML keys and CLI flags have these names."
     task: str = "clm"            # clm (causal LM), mlm (masked LM) or cls (sequence classification)
-    model: str = "small"         # a preset (tiny, small, base), a local directory or a Hub id
+    model: str = "small"         # a preset (tiny, small, base; tiny-moe, small-moe: lesson 05m), a local directory or a Hub id
     dataset: str = "stdlib"      # stdlib, a local .txt/.json/.jsonl/.csv file or a Hub dataset id
     tokenizer: str = "stdlib"    # stdlib (BPE trained on the corpus), a local directory or a Hub id
     seq_len: int = 128           # tokens per example (block length when packing)
@@ -63,9 +64,10 @@ class Config:
     cp_impl: str = "ring"        # cp's attention: ring (05h's lean ring, any cp) or ulysses (05i; n_head/tp a multiple of cp)
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
     pp_schedule: str = "1f1b"    # the pipeline's schedule: gpipe or 1f1b (1f1b needs grad_accum >= pp)
+    ep: int = 1                  # expert-parallel degree (--model tiny-moe|small-moe): each rank 1/ep of the experts; dp = processes
 
     @property
-    def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1  # the mesh lesson's step trains it
+    def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1 or self.model in MOE_PRESETS  # 05k's or 05m's step
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
@@ -78,7 +80,7 @@ class Config:
 # What a checkpoint must agree on with the run that resumes it (and the global batch, batch_size x grad_accum x
 # processes, however it is split): the data, the model and everything that shapes the updates, the schedule included,
 # and the tp, pp and cp degrees, whose pieces of the model a mesh checkpoint holds (the resharding lesson).
-FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "seed", "tp", "pp", "cp",
+FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "seed", "tp", "pp", "cp", "ep",
                "zero_stage", "max_examples", "text_column", "label_column",
                "lr", "weight_decay", "warmup_steps", "max_steps", "max_grad_norm")
 SCHEDULE = ("lr", "warmup_steps", "max_steps")  # warmup, then cosine decay to 0 at max_steps
@@ -95,7 +97,7 @@ def _check_source(flag, value, local):
 
 def _positions(model):
     "How many positions a preset, local or Hub model has (None when it does not say)."
-    if model in PRESETS: return PRESETS[model].get("n_positions")
+    if p := PRESETS.get(model) or MOE_PRESETS.get(model): return p.get("n_positions")
     try: c = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as e:  # ValueError: a config.json that names no model type
         raise ConfigError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) and from_pretrained "
@@ -202,7 +204,7 @@ def validate(cfg: Config) -> Config:
         need(getattr(cfg, k) >= 0, f"--{k} {getattr(cfg, k)}: must be 0 or more")
     need(cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number, e.g. 1e-3")
     need(cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be positive")
-    _check_source("model", cfg.model, tuple(PRESETS))
+    _check_source("model", cfg.model, (*PRESETS, *MOE_PRESETS))
     _check_source("tokenizer", cfg.tokenizer, ("stdlib", "stdlib-source"))
     _check_source("dataset", cfg.dataset, ("stdlib", "stdlib-source"))
     try: resolve_tracker(cfg.tracker)
@@ -216,6 +218,7 @@ def validate(cfg: Config) -> Config:
          f"positions; pass --seq_len {n_pos} or a model with more positions")
     step_range(cfg.profile_steps, cfg.max_steps, ConfigError)  # --profile_steps A:B
     _resume_path(cfg)
+    check_experts(cfg, ConfigError)  # --ep and the MoE presets (lesson 05m)
     _check_mesh(cfg)
     out = Path(cfg.output_dir)
     need(cfg.resume or cfg.overwrite or not (out / "run.json").exists() and not (out / "checkpoints").exists(),

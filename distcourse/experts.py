@@ -98,7 +98,7 @@ class MoE(nn.Module):
         counts = torch.bincount(e, minlength=self.n_expert)     # (E,) rows per expert
         self.load = dict(routed=F.one_hot(idx, self.n_expert).sum((0, 1)), kept=counts)
         y = self._experts(h[tok[order]], counts)                # (M, C)
-        out = torch.zeros_like(h).index_add(0, tok[order], y * gate[keep][order, None])
+        out = torch.zeros_like(h).index_add(0, tok[order], (y * gate[keep][order, None]).to(h.dtype))  # autocast: bf16
         if self.shared is not None: out = out + self.shared(h)
         return out.view_as(x)                                   # (B, T, C); dropped tokens: 0
 

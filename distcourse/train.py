@@ -24,6 +24,7 @@ from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume
 from .data import get_tokenizer
 from .ddp import full_grads, train_steps
 from .evaluation import evaluate_distributed
+from .expert_mesh import MOE_PRESETS, ExpertMesh
 from .launch import WorldSizeError, all_ranks_reach, cpu_threads, local_processes, make_accelerator
 from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
@@ -82,6 +83,7 @@ def _setup(cfg, accelerator):
             train_dl, val_dl = get_dataloaders(cfg.task, tok, cfg.seq_len, cfg.batch_size, dataset=cfg.dataset,
                                                seed=cfg.seed, max_examples=cfg.max_examples or None,
                                                text_column=cfg.text_column, label_column=cfg.label_column)
+    if cfg.model in MOE_PRESETS: return tok, train_dl, val_dl, None  # ExpertMesh builds 05j's MoE GPT
     labels = train_dl.dataset.features.get("labels") if cfg.task == "cls" else None
     n_labels = getattr(labels, "num_classes", None) or (
         len(set(train_dl.dataset["labels"])) if cfg.task == "cls" else None)
@@ -184,9 +186,10 @@ def _train_mesh(cfg) -> dict:
     acc = _start(cfg)
     set_seed(cfg.seed)
     tok, train_dl, val_dl, hf = _setup(cfg, acc)
-    mesh = Mesh(hf, cfg, acc.autocast, acc.device)  # its piece and batches on this process's device
-    meter = Meter(acc, hf, cfg.seq_len, global_batches=True)  # MFU: the whole model's FLOPs, the global batch
-    acc.register_for_checkpointing(MeshState(mesh))  # each rank's piece, saved with dcp (the resharding lesson)
+    mesh = Mesh(hf, cfg, acc.autocast, acc.device) if hf is not None else ExpertMesh(len(tok), cfg, acc.autocast, acc.device)  # its piece and batches on this process's device
+    meter = Meter(acc, mesh.hf, cfg.seq_len, global_batches=True)  # MFU: the whole model's FLOPs, the global batch
+    if hf is None: mesh.count_active(meter)  # a token runs top_k experts: the active parameters' FLOPs
+    acc.register_for_checkpointing(MeshState(mesh) if hf is not None else mesh.state())  # each rank's piece, saved with dcp (the resharding lesson)
     val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
     memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece
     stream = DataStream(train_dl, cfg.seed)
