@@ -85,7 +85,7 @@ def _setup(cfg, accelerator):
     n_labels = getattr(labels, "num_classes", None) or (
         len(set(train_dl.dataset["labels"])) if cfg.task == "cls" else None)
     with _loading("model", cfg.model):
-        model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels)
+        model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels, n_layer=cfg.n_layer)
         check_compat(model, tok, cfg.seq_len)
     try: checkpoint_blocks(model, cfg.activation_checkpointing)  # before any wrapping (DDP, FSDP2, compile)
     except ValueError as e:
@@ -194,7 +194,7 @@ def _train_mesh(cfg) -> dict:
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
     steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
                              _grads_saver(acc, cfg))
-    steps = peak_first_step(steps, mesh.model, mesh.opt, memory)  # this rank's piece, measured
+    steps = mesh.peak_first(steps, memory)  # this rank's piece, measured (05k: not every schedule)
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
                   lambda: evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task))
