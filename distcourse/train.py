@@ -34,6 +34,7 @@ from .outputs import Run, push_to_hub, save_model
 from .precision_choice import resolve_precision
 from .recompute import activation_bytes, checkpoint_blocks
 from .reshard import MeshState
+from .schedules import TORCH
 from .resume import ShardedState
 from .tracking import Meter, resolve_tracker, start_tracking
 from .zero import check_stage, prepare_zero
@@ -207,7 +208,8 @@ def _train_mesh(cfg) -> dict:
 def fingerprint(cfg, accelerator) -> dict:
     "What a checkpoint of this run must agree on with the run that resumes it: the global batch, not its split."
     return {**{k: getattr(cfg, k) for k in FINGERPRINT},  # global: x dp, the processes of a mesh / tp x pp x cp
-            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes // (cfg.tp * cfg.pp * cfg.cp)}
+            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes // (cfg.tp * cfg.pp * cfg.cp),
+            **({"pp_pieces": TORCH[cfg.pp_schedule][1] if cfg.pp_schedule in TORCH else "stage"} if cfg.pp > 1 else {})}
 
 def _save(acc, cfg, step, tokens, stream):
     "Full training state at `step` into checkpoints/step_<step>, crash-safe (the checkpointing lesson)."

@@ -97,3 +97,15 @@ def test_schedule_refused_before_launch(flags, msg, monkeypatch, tmp_path):
 def test_n_layer_presets_only(tmp_path):
     with pytest.raises(ConfigError, match="--n_layer 4: only a preset's depth can change"):
         parse_args(["--model", str(tmp_path), "--n_layer", "4", "--output_dir", str(tmp_path / "x")])
+
+
+def test_checkpoint_pieces_in_fingerprint():
+    "A checkpoint's pieces follow the schedule's layout: resuming looped chunks as a V (or as stages) is refused."
+    from types import SimpleNamespace
+    from distcourse.config import Config
+    from distcourse.train import fingerprint
+    def pieces(schedule, pp=2):
+        return fingerprint(Config(pp=pp, pp_schedule=schedule), SimpleNamespace(num_processes=2)).get("pp_pieces")
+    assert [pieces(s) for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")] == \
+        ["stage", "stage", "loop", "loop", "v", "v"]
+    assert pieces("zbv", pp=1) is None  # no pipeline: no pieces of it
