@@ -24,7 +24,7 @@ from .checkpoint import MARKER, latest_checkpoint, read_state
 from .data import hub_offline
 from .expert_mesh import MOE_PRESETS, check_experts
 from .memory import STAGES
-from .mesh import CP_IMPLS, SUPPORTED, check_degrees
+from .mesh import CP_IMPLS, PP_SCHEDULES, SUPPORTED, check_degrees
 from .model import PRESETS
 from .profiling import step_range
 from .tracking import resolve_tracker
@@ -38,6 +38,7 @@ class Config:
     "One training run; YAML keys and CLI flags have these names."
     task: str = "clm"            # clm (causal LM), mlm (masked LM) or cls (sequence classification)
     model: str = "small"         # a preset (tiny, small, base; tiny-moe, small-moe: lesson 05m), a local directory or a Hub id
+    n_layer: int = 0             # a preset's depth instead of its own (0: the preset's); e.g. --model tiny --n_layer 8
     dataset: str = "stdlib"      # stdlib, a local .txt/.json/.jsonl/.csv file or a Hub dataset id
     tokenizer: str = "stdlib"    # stdlib (BPE trained on the corpus), a local directory or a Hub id
     seq_len: int = 128           # tokens per example (block length when packing)
@@ -63,11 +64,8 @@ class Config:
     cp: int = 1                  # context-parallel degree, also with --tp and --pp (seq_len a multiple of 2·cp; ulysses: of cp)
     cp_impl: str = "ring"        # cp's attention: ring (05h's lean ring, any cp) or ulysses (05i; n_head/tp a multiple of cp)
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
-    pp_schedule: str = "1f1b"    # the pipeline's schedule: gpipe or 1f1b (1f1b needs grad_accum >= pp)
+    pp_schedule: str = "1f1b"    # gpipe, 1f1b (grad_accum >= pp); PyTorch's interleaved, zb, zbv, dualpipev: v = 2 chunks per rank, n_layer a multiple of 2 x pp, no --tp/--cp
     ep: int = 1                  # expert-parallel degree (--model tiny-moe|small-moe): each rank 1/ep of the experts; dp = processes
-
-    @property
-    def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1 or self.model in MOE_PRESETS  # 05k's or 05m's step
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
@@ -76,11 +74,13 @@ class Config:
     max_examples: int = 0        # use only N examples before splitting (quick runs); 0: all
     text_column: str = "text"    # the text column of a local or Hub dataset
     label_column: str = "label"  # the label column (cls)
+    @property
+    def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1 or self.model in MOE_PRESETS  # 05k's or 05m's step
 
 # What a checkpoint must agree on with the run that resumes it (and the global batch, batch_size x grad_accum x
 # processes, however it is split): the data, the model and everything that shapes the updates, the schedule included,
 # and the tp, pp and cp degrees, whose pieces of the model a mesh checkpoint holds (the resharding lesson).
-FINGERPRINT = ("task", "model", "dataset", "tokenizer", "seq_len", "seed", "tp", "pp", "cp", "ep",
+FINGERPRINT = ("task", "model", "n_layer", "dataset", "tokenizer", "seq_len", "seed", "tp", "pp", "cp", "ep",
                "zero_stage", "max_examples", "text_column", "label_column",
                "lr", "weight_decay", "warmup_steps", "max_steps", "max_grad_norm")
 SCHEDULE = ("lr", "warmup_steps", "max_steps")  # warmup, then cosine decay to 0 at max_steps
@@ -168,8 +168,8 @@ def _check_mesh_dropout(cfg):
 
 def _check_mesh(cfg):
     "--tp, --cp, --pp and --pp_schedule: what the mesh trainer supports, checked before any process talks."
-    if cfg.pp_schedule not in ("gpipe", "1f1b"):
-        raise ConfigError(f"--pp_schedule {cfg.pp_schedule!r}: choose 'gpipe' or '1f1b'")
+    if cfg.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"--pp_schedule {cfg.pp_schedule!r}: choose one of {', '.join(PP_SCHEDULES)}")
     if cfg.cp_impl not in CP_IMPLS: raise ConfigError(f"--cp_impl {cfg.cp_impl!r}: choose one of {', '.join(CP_IMPLS)}")
     flags = " ".join(f"--{k} {getattr(cfg, k)}" for k in ("tp", "cp", "pp") if getattr(cfg, k) != 1)
     if not flags: return
@@ -180,6 +180,7 @@ def _check_mesh(cfg):
         raise ConfigError(f"{flags} with --{k} {getattr(cfg, k)}: not supported on the mesh yet; leave --{k} at {getattr(Config, k)!r}")
     _check_mesh_dropout(cfg)
     sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read
+    sizes.n_layer = cfg.n_layer or sizes.n_layer  # --n_layer: the preset's depth changed
     try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,
                        cfg.grad_accum, cfg.pp_schedule, cfg.cp_impl)
     except ValueError as e:
@@ -200,11 +201,12 @@ def validate(cfg: Config) -> Config:
          "2 (+ gradients) or 3 (+ parameters)")
     for k in ("batch_size", "grad_accum", "max_steps", "seq_len", "log_every", "keep_checkpoints"):
         need(getattr(cfg, k) >= 1, f"--{k} {getattr(cfg, k)}: must be at least 1")
-    for k in ("warmup_steps", "eval_every", "save_every", "max_examples"):
+    for k in ("warmup_steps", "eval_every", "save_every", "max_examples", "n_layer"):
         need(getattr(cfg, k) >= 0, f"--{k} {getattr(cfg, k)}: must be 0 or more")
     need(cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number, e.g. 1e-3")
     need(cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be positive")
     _check_source("model", cfg.model, (*PRESETS, *MOE_PRESETS))
+    need(not cfg.n_layer or cfg.model in PRESETS, f"--n_layer {cfg.n_layer}: only a preset's depth can change; pass --model one of {', '.join(PRESETS)}, or --n_layer 0")
     _check_source("tokenizer", cfg.tokenizer, ("stdlib", "stdlib-source"))
     _check_source("dataset", cfg.dataset, ("stdlib", "stdlib-source"))
     try: resolve_tracker(cfg.tracker)

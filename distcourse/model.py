@@ -31,9 +31,9 @@ _DEFAULT_ARCH = {"clm": "gpt2", "mlm": "bert", "cls": "bert"}
 _DROPOUTS = {"gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"),
              "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")}
 
-def _preset_kwargs(name, arch) -> dict:
+def _preset_kwargs(name, arch, n_layer=0) -> dict:  # n_layer: its depth instead of the preset's (0: the preset's)
     "Config arguments for preset `name`; the generic names work for GPT2Config and BertConfig alike."
-    p = PRESETS[name]
+    p = {**PRESETS[name], **({"n_layer": n_layer} if n_layer else {})}
     kw = dict(num_hidden_layers=p["n_layer"], hidden_size=p["n_embd"], num_attention_heads=p["n_head"],
               max_position_embeddings=p["n_positions"])
     if arch == "bert": kw["intermediate_size"] = 4 * p["n_embd"]  # GPT-2's MLP is 4x wide by default
@@ -48,7 +48,7 @@ def _special_ids(tokenizer) -> dict:
 # %% ../nbs/01_model.ipynb #a626e7b6
 _AUTO = {"clm": AutoModelForCausalLM, "mlm": AutoModelForMaskedLM, "cls": AutoModelForSequenceClassification}
 
-def _from_preset(name, task, arch, tokenizer, vocab_size, num_labels) -> PreTrainedModel:
+def _from_preset(name, task, arch, tokenizer, vocab_size, num_labels, n_layer=0) -> PreTrainedModel:
     "A randomly initialised `arch` model of preset `name` for `task`."
     if arch not in ARCHS: raise ValueError(f"arch={arch!r}: choose one of {', '.join(ARCHS)}")
     if task not in ARCHS[arch]:
@@ -63,7 +63,7 @@ def _from_preset(name, task, arch, tokenizer, vocab_size, num_labels) -> PreTrai
                          "leave vocab_size=None to use len(tokenizer)")
     model_cls = ARCHS[arch][task]
     labels = {"num_labels": num_labels} if task == "cls" else {}
-    config = model_cls.config_class(vocab_size=vocab, attn_implementation="sdpa", **_preset_kwargs(name, arch),
+    config = model_cls.config_class(vocab_size=vocab, attn_implementation="sdpa", **_preset_kwargs(name, arch, n_layer),
                                     **_special_ids(tokenizer), **labels)
     return model_cls(config)
 
@@ -118,13 +118,14 @@ def build_model(name="tiny",      # a preset (tiny, small, base), a directory sa
                 vocab_size=None,  # presets without a tokenizer (or a larger vocabulary than the tokenizer's)
                 num_labels=None,  # cls: the number of classes (optional for a directory saved from a classifier)
                 arch=None,        # presets: "gpt2" or "bert"; None: the task's default (clm gpt2, mlm/cls bert)
+                n_layer=0,        # presets: this many blocks instead of the preset's (0: the preset's)
                ) -> PreTrainedModel:
     "A `transformers` model for `task`: a fresh preset, or `from_pretrained` for a directory or a Hub id."
     if task not in TASKS:
         raise ValueError(f"task={task!r}: choose one of {', '.join(TASKS)} (--task on the command line)")
     if task == "cls" and num_labels is None and not _saved_classifier(name):
         raise ValueError("task='cls' needs num_labels, the number of classes: build_model(..., num_labels=9)")
-    if name in PRESETS: model = _from_preset(name, task, arch or _DEFAULT_ARCH[task], tokenizer, vocab_size, num_labels)
+    if name in PRESETS: model = _from_preset(name, task, arch or _DEFAULT_ARCH[task], tokenizer, vocab_size, num_labels, n_layer)
     else: model = _from_pretrained(name, task, num_labels)  # the checkpoint decides the architecture
     if task == "cls": _set_pad_token(model, tokenizer)
     if task == "clm" and getattr(model, "loss_type", "") is None:  # "GPT2LMHeadModel" names no loss type, and

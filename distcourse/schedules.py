@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['HAND', 'TORCH', 'check_schedule', 'chunks_per_rank', 'interleaved_actions', 'zb_h1_actions', 'actions', 'needs',
            'replay_actions', 'in_flight', 'run_schedule', 'sync_tied_chunks', 'virtual_stage', 'schedule_chunks',
-           'torch_schedule', 'torch_schedule_step', 'sched_worker']
+           'torch_schedule', 'torch_schedule_step', 'check_torch_schedule', 'Chunks', 'sched_worker']
 
 # %% ../nbs/05f_schedules.ipynb #0d206fc9
 import json
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, ScheduleDualPipeV, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
@@ -215,6 +216,49 @@ def torch_schedule_step(chunks, x, y, # this rank's chunks; the whole batch (B, 
     loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=x.device)
     dist.all_reduce(loss, group=groups.pipe)
     return loss
+
+# %% ../nbs/05f_schedules.ipynb #d675ac4a
+def check_torch_schedule(name, n_layer, pp, m, tp=1, cp=1): # m: micro-batches per step
+    "Raise a ValueError, naming the numbers and the fix, when PyTorch's schedule `name` cannot run these settings."
+    if name not in TORCH: raise ValueError(f"schedule={name!r}: choose one of {', '.join(TORCH)}")
+    if tp > 1 or cp > 1: raise ValueError(f"{name} runs whole chunks of the course's GPT, not with tp={tp}, "
+                                          f"cp={cp} yet; use tp=1 and cp=1, or schedule 1f1b or gpipe")
+    k = 2 * pp  # virtual stages: v = 2 chunks per rank
+    if n_layer % k: raise ValueError(f"{name} holds v=2 chunks per rank: n_layer={n_layer} does not split into "
+                                     f"pp x 2 = {k} equal chunks; use n_layer {k}, {2 * k} or {3 * k} (a multiple of {k})")
+    least = k if name == "dualpipev" else pp  # DualPipeV: at least one micro-batch per virtual stage
+    if m < least: raise ValueError(f"{name} needs micro_batches >= {least}: micro_batches={m}; pass micro_batches={least}")
+    if name in ("interleaved", "zb") and m % (m // pp):  # PyTorch's rounds of pp micro-batches each
+        raise ValueError(f"{name} needs micro_batches a multiple of its rounds (micro_batches // pp = {m // pp}): "
+                         f"micro_batches={m}; pass micro_batches={pp * (m // pp)}")
+
+class Chunks(nn.ModuleList):
+    "This rank's chunks for PyTorch's schedule `name` as one module (for AdamW and checkpoints), with its step."
+    def __init__(self, model, rank, pp, name):  # model: the whole GPT; rank: this rank's place in the pipeline
+        super().__init__(schedule_chunks(model, rank, pp, name))
+        self.name, self.config, self.sched, self.n = name, model.config, None, None
+        self.is_first, self.is_last = any(c.is_first for c in self), any(c.is_last for c in self)
+        self.stage = "_".join(str(c.stage) for c in self)  # its virtual stages, e.g. 0_3: a checkpoint's piece pp0_3
+
+    def forward(self, x):  # ids (b, T) on the rank of the first virtual stage, else activations (b, T, C)
+        "Each chunk in turn on one micro-batch, fed the one before's output: what this rank's chunks keep."
+        for c in self: x = c(x)
+        return x
+
+    def gpt_named(self) -> list:
+        "[(name, parameter)] under the whole GPT's names, the tied lm_head copy left out (wte is the matrix)."
+        return [(n, p) for c in self for n, p in c.named_parameters() if n != "lm_head.weight"]
+
+    def step(self, micro, n, groups):  # micro: this pipeline's [(x, y)]; n: the global batch's tokens; pp_groups
+        "One step of the schedule: gradients of Σ token losses ÷ n, tied copies summed; this pipeline's loss sum."
+        if self.sched is None: self.sched = torch_schedule(
+            self.name, list(self), len(micro), lambda logits, y: token_loss(logits, y, self.n), groups.pipe)
+        (x, y), self.n, losses = (torch.cat(t) for t in zip(*micro)), n, []  # the schedule cuts them again
+        self.sched.step(*((x,) if self.is_first else ()), **(dict(target=y, losses=losses) if self.is_last else {}))
+        sync_tied_chunks(list(self), groups)
+        total = torch.stack(losses).sum().detach() * n if self.is_last else torch.zeros((), device=x.device)
+        dist.all_reduce(total, group=groups.pipe)  # only the last virtual stage's rank has the losses
+        return total
 
 # %% ../nbs/05f_schedules.ipynb #2d5974ea
 def sched_worker(out_dir, pp, micro_batches=4, hand=HAND, torch_names=(), v=2,

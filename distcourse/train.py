@@ -36,6 +36,7 @@ from .precision_choice import resolve_precision
 from .profiling import profiled
 from .recompute import activation_bytes, checkpoint_blocks
 from .reshard import MeshState
+from .schedules import TORCH
 from .resume import ShardedState
 from .tracking import Meter, resolve_tracker, start_tracking
 from .zero import check_stage, prepare_zero
@@ -88,7 +89,7 @@ def _setup(cfg, accelerator):
     n_labels = getattr(labels, "num_classes", None) or (
         len(set(train_dl.dataset["labels"])) if cfg.task == "cls" else None)
     with _loading("model", cfg.model):
-        model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels)
+        model = build_model(cfg.model, cfg.task, tokenizer=tok, num_labels=n_labels, n_layer=cfg.n_layer)
         check_compat(model, tok, cfg.seq_len)
     try: checkpoint_blocks(model, cfg.activation_checkpointing)  # before any wrapping (DDP, FSDP2, compile)
     except ValueError as e:
@@ -199,7 +200,7 @@ def _train_mesh(cfg) -> dict:
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
     steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
                              _grads_saver(acc, cfg))
-    steps = peak_first_step(steps, mesh.model, mesh.opt, memory)  # this rank's piece, measured
+    steps = mesh.peak_first(steps, memory)  # this rank's piece, measured (05k: not every schedule)
     steps = profiled(steps, cfg.profile_steps, cfg.output_dir, start)  # this rank's trace of steps A..B
     lr = lambda: mesh.sched.get_last_lr()[0]
     after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
@@ -213,7 +214,8 @@ def _train_mesh(cfg) -> dict:
 def fingerprint(cfg, accelerator) -> dict:
     "What a checkpoint of this run must agree on with the run that resumes it: the global batch, not its split."
     return {**{k: getattr(cfg, k) for k in FINGERPRINT},  # global: x dp, the processes of a mesh / tp x pp x cp
-            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes // (cfg.tp * cfg.pp * cfg.cp)}
+            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes // (cfg.tp * cfg.pp * cfg.cp),
+            **({"pp_pieces": TORCH[cfg.pp_schedule][1] if cfg.pp_schedule in TORCH else "stage"} if cfg.pp > 1 else {})}
 
 def _save(acc, cfg, step, tokens, stream):
     "Full training state at `step` into checkpoints/step_<step>, crash-safe (the checkpointing lesson)."

@@ -282,7 +282,7 @@ BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
        (["--cp", "2", "--seq_len", "31", "--cp_impl", "ulysses"], 2, "T=31 tokens do not cut into 2 equal chunks"),
        (["--cp_impl", "zigzag"], 1, "--cp_impl 'zigzag': choose one of ring, ulysses"),
        (["--tp", "2", "--task", "cls"], 2, "use --task clm"),
-       (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose 'gpipe' or '1f1b'")]
+       (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose one of gpipe, 1f1b, interleaved")]
 
 
 @pytest.mark.parametrize("flags,world,msg", BAD)

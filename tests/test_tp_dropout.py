@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distcourse.launch import launch
-from distcourse.mesh import Mesh, load_into_hf, to_gpt
+from distcourse.gpt import load_into_hf, to_gpt
+from distcourse.mesh import Mesh
 from distcourse.recompute import RNGTracker, checkpoint_blocks, tp_seed
 from distcourse.tensor_parallel import is_split
 

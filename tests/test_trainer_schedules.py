@@ -1,0 +1,111 @@
+"""The trainer's --pp_schedule interleaved, zb, zbv and dualpipev (PyTorch's schedules, lesson 05f's `Chunks`) with
+--n_layer: the losses, gradient norms and step 1's gradients of one process on the same global batch, an exact
+resume, and the depths a schedule cannot split refused before launch."""
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import ROOT, grads_diff, run_cli, trainer_cmd, worst_rel
+from distcourse.config import ConfigError, parse_args
+
+# 4 steps of the tiny preset made 4 blocks deep (2·pp chunks of one block at pp 2); global batch 4 × 4 × 1
+ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--n_layer", "4", "--max_steps", "4", "--log_every", "1",
+        "--eval_every", "0", "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300",
+        "--tracker", "none", "--grads_at", "1"]
+# Measured on 2 CPU cores: every schedule's losses equal one process's to the last bit, its gradient norms within
+# 6.5e-8 relative, step 1's gradients within 5.7e-8 of the whole norm.
+NORM_TOL, GRAD_TOL = 1e-5, 1e-6
+# One looped and one V-shaped schedule here (zb runs interleaved's chunks, dualpipev zbv's, through the same
+# `Chunks.step`; measured equal too, as lesson 05f proves each schedule's step): a launch costs ~8 s.
+SCHEDULES = ("interleaved", "zbv")
+
+
+def records(out, key):
+    return [r[key] for r in map(json.loads, open(out / "metrics.jsonl")) if "split" not in r]
+
+
+def run(tmp, name, world, flags):
+    return run_cli([*trainer_cmd(world, timeout=120), *ARGS, *flags, "--output_dir", str(tmp / name)], timeout=150)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process, interleaved (saving at steps 2 and 4) and zbv on 2 processes (pp 2), two runs at a time; then
+    a copy of interleaved's run without its step-4 checkpoint, resumed."""
+    tmp = tmp_path_factory.mktemp("sched")
+    with ThreadPoolExecutor(2) as pool:
+        procs = {name: pool.submit(run, tmp, name, 1 if name == "one" else 2, [] if name == "one" else
+                                   ["--pp", "2", "--pp_schedule", name, "--save_every", "2"])
+                 for name in ("one", *SCHEDULES)}
+        assert procs["interleaved"].result().returncode == 0, procs["interleaved"].result().stderr[-3000:]
+        shutil.copytree(tmp / "interleaved", tmp / "resumed")
+        shutil.rmtree(tmp / "resumed/checkpoints/step_4")
+        procs["resumed"] = pool.submit(run, tmp, "resumed", 2, ["--pp", "2", "--pp_schedule", "interleaved",
+                                                               "--save_every", "2", "--resume", "latest"])
+        for name, proc in procs.items(): assert proc.result().returncode == 0, (name, proc.result().stderr[-3000:])
+    return tmp
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_schedule_equals_one_process(runs, name):
+    "Every step's loss and pre-clip gradient norm, and step 1's full gradients (the tied matrix once)."
+    one, got = runs / "one", runs / name
+    losses = worst_rel(records(one, "loss"), records(got, "loss"))
+    norms = worst_rel(records(one, "grad_norm"), records(got, "grad_norm"))
+    grads = grads_diff(one / "grads_step1.pt", got / "grads_step1.pt")  # the same names and shapes
+    print(f"{name}: losses {losses:.1e}, gradient norms {norms:.1e} (relative), step 1's gradients {grads:.1e}")
+    assert losses <= NORM_TOL and norms <= NORM_TOL and grads <= GRAD_TOL, (name, losses, norms, grads)
+    run = json.loads((got / "run.json").read_text())
+    assert run["parallel"]["pp_schedule"] == name and run["parallel"]["bubble"] is None  # not timed
+    assert run["config"]["n_layer"] == 4 and all("not measured" in r["peak_first_step"]
+                                                 for r in run["memory"]["per_rank"])
+
+
+def test_schedule_resume_is_exact(runs):
+    "interleaved's step-2 checkpoint (a piece per rank, named by its virtual stages) resumed: steps 3-4 bit for bit."
+    meta = dcp.FileSystemReader(str(runs / "resumed/checkpoints/step_2/sharded")).read_metadata().state_dict_metadata
+    assert {k.split(".")[1] for k in meta} == {"pp0_2", "pp1_3"}  # looped: rank r holds virtual stages r, r + pp
+    for key in ("loss", "grad_norm"): assert records(runs / "resumed", key) == records(runs / "interleaved", key), key
+    assert json.loads((runs / "resumed/run.json").read_text())["resumed_from"]["step"] == 2
+
+
+BAD = [(["--n_layer", "3", "--pp_schedule", "zbv"], "zbv holds v=2 chunks per rank: n_layer=3 does not split into "
+        "pp x 2 = 4 equal chunks; use n_layer 4, 8 or 12 (a multiple of 4)"),
+       (["--pp_schedule", "interleaved"], "n_layer=2 does not split into pp x 2 = 4"),  # the preset's depth
+       (["--n_layer", "4", "--pp_schedule", "dualpipev", "--grad_accum", "2"], "dualpipev needs micro_batches >= 4"),
+       (["--n_layer", "4", "--pp_schedule", "interleaved", "--grad_accum", "5"],
+        "interleaved needs micro_batches a multiple of its rounds (micro_batches // pp = 2)"),
+       (["--n_layer", "4", "--pp_schedule", "zb", "--cp", "2"], "zb runs whole chunks of the course's GPT, not with"),
+       (["--n_layer", "4", "--pp_schedule", "zigzag"], "choose one of gpipe, 1f1b, interleaved, zb, zbv, dualpipev")]
+
+
+@pytest.mark.parametrize("flags,msg", BAD)
+def test_schedule_refused_before_launch(flags, msg, monkeypatch, tmp_path):
+    "Parsing alone refuses them, naming the numbers and the depths or micro-batches that work."
+    monkeypatch.setenv("WORLD_SIZE", "4" if "--cp" in flags else "2")
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as e:
+        parse_args(["--config", str(ROOT / "configs/tiny.yaml"), "--pp", "2", "--grad_accum", "4", *flags,
+                    "--output_dir", str(tmp_path / "x")])
+    assert not torch.distributed.is_initialized()
+    print(e.value)
+
+
+def test_n_layer_presets_only(tmp_path):
+    with pytest.raises(ConfigError, match="--n_layer 4: only a preset's depth can change"):
+        parse_args(["--model", str(tmp_path), "--n_layer", "4", "--output_dir", str(tmp_path / "x")])
+
+
+def test_checkpoint_pieces_in_fingerprint():
+    "A checkpoint's pieces follow the schedule's layout: resuming looped chunks as a V (or as stages) is refused."
+    from types import SimpleNamespace
+    from distcourse.config import Config
+    from distcourse.train import fingerprint
+    def pieces(schedule, pp=2):
+        return fingerprint(Config(pp=pp, pp_schedule=schedule), SimpleNamespace(num_processes=2)).get("pp_pieces")
+    assert [pieces(s) for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")] == \
+        ["stage", "stage", "loop", "loop", "v", "v"]
+    assert pieces("zbv", pp=1) is None  # no pipeline: no pieces of it
