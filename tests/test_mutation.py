@@ -67,7 +67,7 @@ FAULTS = [
     fault("pp: mean where sum", "pipeline", "dist.all_reduce(weight.grad, group=groups.embed)",
           "dist.all_reduce(weight.grad, group=groups.embed); weight.grad.div_(2)", "pp2",
           "the tied matrix's two stage gradients averaged"),
-    fault("pp: sum where mean", "mesh", '(pp > 1 and n == "lm_head.weight")', "False", "pp2",
+    fault("pp: sum where mean", "mesh", '(pp > 1 and n.endswith("lm_head.weight"))', "False", "pp2",
           "the tied matrix's squares summed over first and last stage (counted twice)"),
     fault("local token count", "ddp", 'n = accelerator.reduce(local.to(accelerator.device), "sum")',
           "n = local.to(accelerator.device)", "dp2", "loss divided by this rank's tokens"),
