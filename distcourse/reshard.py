@@ -107,6 +107,7 @@ class MeshState:
     def piece(self) -> str:
         "This rank's piece: its stage and tp index, or 'whole' where every rank holds all the weights (cp)."
         m = self.mesh
+        if hasattr(m, "piece"): return m.piece()  # a mesh that names its own (05m's ExpertMesh: ep<i>)
         stage = f"pp{m.model.stage}" if m.d["pp"] > 1 else ""
         tp = f"tp{dist.get_rank(m.g['tp'])}" if m.d["tp"] > 1 else ""
         return stage + tp or "whole"  # e.g. tp0, pp1, pp1tp0 (tp x pp)

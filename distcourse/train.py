@@ -190,7 +190,7 @@ def _train_mesh(cfg) -> dict:
     mesh = Mesh(hf, cfg, acc.autocast, acc.device) if hf is not None else ExpertMesh(len(tok), cfg, acc.autocast, acc.device)  # its piece and batches on this process's device
     meter = Meter(acc, mesh.hf, cfg.seq_len, global_batches=True)  # MFU: the whole model's FLOPs, the global batch
     if hf is None: mesh.count_active(meter)  # a token runs top_k experts: the active parameters' FLOPs
-    acc.register_for_checkpointing(MeshState(mesh) if hf is not None else mesh.state())  # each rank's piece, saved with dcp (the resharding lesson)
+    acc.register_for_checkpointing(MeshState(mesh))  # each rank's piece, saved with dcp (the resharding lesson)
     val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
     memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece
     stream = DataStream(train_dl, cfg.seed)
