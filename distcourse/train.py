@@ -25,13 +25,13 @@ from .data import get_tokenizer
 from .ddp import full_grads, train_steps
 from .evaluation import evaluate_distributed
 from .expert_mesh import MOE_PRESETS, ExpertMesh
-from .launch import WorldSizeError, all_ranks_reach, cpu_threads, local_processes, make_accelerator
+from .launch import WorldSizeError, cpu_threads, local_processes, make_accelerator
+from .outputs import Run, all_ranks_reach, push_to_hub, save_model
 from .loaders import get_dataloaders
 from .loop import loss_sum, make_scheduler
 from .memory import peak_first_step, track_memory
 from .mesh import Mesh
 from .model import build_model, check_compat, num_params
-from .outputs import Run, push_to_hub, save_model
 from .precision_choice import resolve_precision
 from .profiling import profiled
 from .recompute import activation_bytes, checkpoint_blocks

@@ -12,11 +12,12 @@ import psutil
 import pytest
 import torch
 from accelerate.state import PartialState
+from accelerate.utils import patch_environment
 from tqdm.std import TqdmDefaultWriteLock, tqdm
 
 from conftest import ACCELERATE, PY, ROOT
-from distcourse.launch import (accelerator_worker, free_port, hello_worker, launch, make_accelerator,
-                               plain_worker, verify_world_size)
+from distcourse.launch import (_fresh_accelerate_state, accelerator_worker, free_port, hello_worker, launch,
+                               make_accelerator, verify_world_size)
 
 CPU = {"ACCELERATE_USE_CPU": "true"}  # gloo on CPU, on machines with a GPU too
 
@@ -73,14 +74,6 @@ def test_an_earlier_accelerator_does_not_leak(tmp_path):
         assert AcceleratorState().mixed_precision == "bf16"  # the caller's state is back
     finally:
         AcceleratorState._reset_state(reset_partial_state=True); GradientState._reset_state()
-
-
-def test_plain_accelerator_on_cpu_is_caught_on_every_rank(tmp_path):
-    "A plain Accelerator() without ACCELERATE_USE_CPU: two lone processes, each told why."
-    launch(plain_worker, (tmp_path,), num_processes=2, ACCELERATE_USE_CPU="false")
-    seen = reports(tmp_path)
-    assert [(s["num_processes"], s["process_index"]) for s in seen] == [(1, 0), (1, 0)]
-    assert all("DISTCOURSE_WORLD_SIZE=2 but the Accelerator realised 1" in s["error"] for s in seen)
 
 
 def _strict_plain(out_dir):
@@ -299,28 +292,46 @@ def _running(pid) -> bool:
 
 
 def test_a_hang_is_stopped_and_said(tmp_path):
-    with pytest.raises(TimeoutError, match="processes still running after 10 s were stopped"):
+    with pytest.raises(TimeoutError, match="processes still running after 10 s were stopped") as e:
         launch(_hang, (tmp_path,), num_processes=2, timeout=10, **CPU)
+    said = str(e.value).split("Where each process waited:")[1]  # each rank's stacks, innermost call first
+    assert "in barrier" in said and "in _hang" in said, said  # rank 0 in the collective, rank 1 asleep in _hang
     pids = [int(p.read_text()) for p in sorted(tmp_path.glob("*.pid"))]
     assert len(pids) == 2, pids                       # both ranks ran ...
     assert not [p for p in pids if _running(p)], pids  # ... and neither is left running
 
 
-def _started_before_me(out_dir):
-    "Worker: how many of the processes had started when this one's function began, and whether it was forked."
+def _siblings_at_start(out_dir):
+    "Worker: the processes that exist when this one's function begins (the start line first), twice through it."
     import multiprocessing
-    from distcourse.launch import _start_dir
-    where = _start_dir(os.getppid(), os.environ["MASTER_PORT"])
-    seen = len(os.listdir(where)) if where.is_dir() else 0
-    Path(out_dir, f"{os.environ['LOCAL_RANK']}.json").write_text(
-        json.dumps({"seen": seen, "forked": multiprocessing.parent_process() is not None}))
+    from distcourse.launch import _start_line
+    _start_line()
+    alive = [c.pid for c in psutil.Process(os.getppid()).children()]
+    _start_line()  # a second Accelerator in the same process: passes at once, its siblings long gone
+    Path(out_dir, f"{os.environ['LOCAL_RANK']}.json").write_text(json.dumps(
+        {"pid": os.getpid(), "alive": alive, "forked": multiprocessing.parent_process() is not None}))
+    time.sleep(3)  # stay alive while the others look
 
 
 def test_no_process_starts_before_all_are_forked(tmp_path):
     """A process forked while another thread of the launching one holds a lock inherits it held (measured: glibc's
     resolver lock, taken by the store thread for the first processes' connections, hung the last one's connection).
-    So every launched function starts only when all processes exist, and the start line is cleaned up after."""
+    So every launched function starts only when all processes exist, a process passes the start line once, and the
+    last one through removes it (here under a plain notebook_launcher, as lesson 10 launches `train`)."""
+    from accelerate import notebook_launcher
     port = free_port()
-    launch(_started_before_me, (tmp_path,), num_processes=4, port=port)
-    assert reports(tmp_path) == [{"seen": 4, "forked": True}] * 4
-    assert not any(Path(tempfile.gettempdir()).glob(f"distcourse-start-{os.getpid()}-{port}"))
+    with _fresh_accelerate_state(), patch_environment(**CPU):
+        notebook_launcher(_siblings_at_start, (tmp_path,), num_processes=4, use_port=str(port))
+    seen = reports(tmp_path)
+    assert len(seen) == 4 and all(s["forked"] for s in seen), seen
+    assert all({r["pid"] for r in seen} <= set(s["alive"]) for s in seen), seen  # all 4 existed at every start
+    assert not Path(tempfile.gettempdir(), f"distcourse-start-{os.getpid()}-{port}").exists()  # removed by them
+
+
+def test_make_accelerator_runs_the_start_line(monkeypatch):
+    "A plain notebook_launcher(train, ...) forks without `launch`: make_accelerator holds each process at the line."
+    import distcourse.launch as L
+    calls = []
+    monkeypatch.setattr(L, "_start_line", lambda: calls.append("held"))
+    with _fresh_accelerate_state(): L.make_accelerator()
+    assert calls == ["held"]
