@@ -169,12 +169,40 @@ def table(res: dict) -> str:
     if res["ddp"]:
         for k, v in res["ddp"]["tokens_per_s"].items():
             lines.append(row(f"distcourse, {k} (ddp)", f"{v:,.0f}", "", ""))
+    if res.get("paired"): lines += paired_table(res)
     if res.get("paths"): lines += paths_table(res)
+    if res.get("time_to_loss"): lines += time_to_loss_table(res)
     if res.get("comm"): lines += comm_table(res)
     if res.get("tp"): lines += tp_table(res)
     if res.get("memory"): lines += memory_table(res)
     if res.get("overlap"): lines += overlap_table(res)
     return "\n".join(lines) + "\n"
+
+
+def paired_table(res: dict) -> list:
+    "Each ratio as the median of its per-pair ratios (the order alternating), with their spread."
+    lines = ["", "Ratios, each the median over pairs timed in alternating order (steps taking turns; the main job: "
+             "rounds of whole runs):", "", "| ratio | median | min | max | pairs |", "|---|---|---|---|---|"]
+    for k, v in res["paired"].items():
+        lines.append(row(f"`{k}`", *(f"{v[x]:.3f}" for x in ("ratio", "min", "max")), v["pairs"]))
+    return lines
+
+
+def time_to_loss_table(res: dict) -> list:
+    "Training seconds to the same validation loss: the trainer's defaults against transformers.Trainer's."
+    ttl = res["time_to_loss"]
+    batch, seq = ttl["shape"]
+    lines = ["", f"Time to the same validation loss ({ttl['target_loss']:.3f}, the worse of the two after "
+                 f"{ttl['steps']} steps of {batch} x {seq}; evaluated every {ttl['eval_every']} steps on the same "
+                 "validation set, interpolated; training seconds, evaluation left out):", "",
+             "| trainer | seconds | step | final loss |", "|---|---|---|---|"]
+    for k, what in (("distcourse", "distcourse.train, its defaults"), ("hf_trainer", "transformers.Trainer, fp32 eager")):
+        v = ttl[k]
+        lines.append(row(what, num(v["seconds"], 1), num(v["step"], 1), f"{v['curve'][-1][2]:.3f}"))
+    estimate = ttl.get("paired_estimate")
+    lines += ["", f"`defaults_time_to_loss_vs_hf_trainer` {num(ttl['ratio'])} (one pair of runs); steps to the loss "
+                  f"{num(ttl['steps_ratio'])} x the paired per-step ratio: {num(estimate)}"]
+    return lines
 
 
 def overlap_table(res: dict) -> list:
