@@ -1,10 +1,8 @@
 """Ratios that hold from run to run, and time to the same validation loss.
 
-A ratio of two contenders timed one after the other moves with the machine's load by more than a target's
-margin. Here they are timed in rounds instead: each round runs every contender once, in one order in rounds
-0, 2, 4, ... and in the reverse order in rounds 1, 3, ... (AB, BA, AB, ...), so that neither always runs first
-or always follows the same neighbour; a ratio is the median of its per-round ratios, reported with their
-minimum, maximum and number of pairs (the way CMU 11-868 grades its speed-ups).
+What each contender is in a round (pairing.py holds the rounds and the statistics): the course's step on
+one path, the trainer launched with its defaults, transformers.Trainer; and the two trainers' validation
+curves, for the training seconds each needs to reach the same loss.
 """
 import json
 import statistics
@@ -17,23 +15,7 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from transformers import TrainerCallback
 
 from bench_steps import Bench, DistcourseStep, make_hf_trainer, sync, timed
-
-
-def rounds(runs: dict, k: int):
-    "`k` rounds of `runs` (name -> call returning a rate): in the dict's order, then reversed, alternately."
-    out, order = {name: [] for name in runs}, []
-    for i in range(k):
-        names = list(runs) if i % 2 == 0 else list(runs)[::-1]
-        for name in names: out[name].append(runs[name]())
-        order.append(names)
-    return out, order
-
-
-def paired(a: list, b: list) -> dict:
-    "`a`'s rate over `b`'s, round by round: the median, the spread (min, max) and the number of pairs."
-    if len(a) != len(b) or not a: raise ValueError(f"{len(a)} and {len(b)} rates: pair one of each per round")
-    r = [x / y for x, y in zip(a, b)]
-    return {"ratio": statistics.median(r), "min": min(r), "max": max(r), "pairs": len(r), "per_pair": r}
+from pairing import crossing, summary_line
 
 
 @contextmanager
@@ -108,15 +90,6 @@ class MainJobRuns:
 
 
 # ------------------------------------------------------------------------- time to the same validation loss
-def crossing(points: list, target: float):
-    "The first (seconds, step) at which a curve of (seconds, step, loss) points reaches `target`, interpolated."
-    for (t0, s0, l0), (t1, s1, l1) in zip(points, points[1:]):
-        if l1 <= target:
-            f = 1.0 if l0 == l1 else min(max((l0 - target) / (l0 - l1), 0.0), 1.0)
-            return t0 + f * (t1 - t0), s0 + f * (s1 - s0)
-    return None, None
-
-
 def trainer_curve(b: Bench, steps, every, out_dir) -> list:
     "The course's trainer with its defaults: (training seconds, step, validation loss) every `every` steps."
     from distcourse.launch import launch
@@ -178,11 +151,6 @@ def time_to_loss(b: Bench, steps: int, every: int, tmp, per_step_ratio=None) -> 
     if per_step_ratio and s_ours:  # steps to the loss x the paired per-step speed: what load moves least
         out["paired_estimate"] = out["steps_ratio"] * per_step_ratio
     return out
-
-
-def summary_line(name: str, r: dict) -> str:
-    "One printed line: a paired ratio, its spread and its number of pairs."
-    return f"{name}: {r['ratio']:.3f} (min {r['min']:.3f}, max {r['max']:.3f}, {r['pairs']} pairs)"
 
 
 if __name__ == "__main__":  # the per-round rates of a results.json's paired ratios

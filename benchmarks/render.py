@@ -9,6 +9,7 @@ edited by hand fails `--check` (tests/test_benchmarks.py runs it). Imports nothi
 """
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -274,13 +275,24 @@ def readme_paths(res: dict) -> list:
     best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
     job = res["main_job"]["tokens_per_s"]
     trainer = res["paths"]["fp32 eager"]["tokens_per_s"]["hf_trainer"]
+    spread = {k: "" for k in ("main_job_vs_best_path", "defaults_vs_hf_trainer_defaults", "matched_vs_hf_trainer")}
+    if res.get("rounds"):  # medians of the rounds, and each ratio's spread over its pairs
+        best, _, trainer = (statistics.median(v) for v in res["rounds"]["tokens_per_s"].values())
+        spread = {k: f"; {p['min']:.3f}–{p['max']:.3f} over {p['pairs']} pairs" for k, p in res["paired"].items()}
     rows.append(target_row(res, "main_job_vs_best_path",
                            "(the trainer with its defaults ÷ the fastest path)",
-                           f" ({job:,.0f} vs {best:,.0f} tokens/s)"))
+                           f" ({job:,.0f} vs {best:,.0f} tokens/s{spread['main_job_vs_best_path']})"))
     rows.append(target_row(res, "defaults_vs_hf_trainer_defaults",
                            "(tokens/s; the Trainer in fp32, eager)",
-                           f" ({job:,.0f} vs {trainer:,.0f} tokens/s)"))
-    rows.append(target_row(res, "matched_vs_hf_trainer", "(bf16 + compile on both)"))
+                           f" ({job:,.0f} vs {trainer:,.0f} tokens/s{spread['defaults_vs_hf_trainer_defaults']})"))
+    matched = spread["matched_vs_hf_trainer"].lstrip("; ")
+    rows.append(target_row(res, "matched_vs_hf_trainer", "(bf16 + compile on both)", f" ({matched})" if matched else ""))
+    if res.get("time_to_loss"):
+        ttl = res["time_to_loss"]
+        rows.append(row("`defaults_time_to_loss_vs_hf_trainer` (training seconds to the same validation loss, "
+                        f"{ttl['target_loss']:.2f})", f"{num(ttl['ratio'])} ({ttl['distcourse']['seconds']:.0f} vs "
+                        f"{ttl['hf_trainer']['seconds']:.0f} s; steps to it × paired per-step ratio: "
+                        f"{num(ttl.get('paired_estimate'))})", "", ""))
     return rows
 
 

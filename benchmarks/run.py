@@ -47,7 +47,8 @@ import bench_comm  # noqa: E402
 import bench_ddp  # noqa: E402
 from bench_tp import measure_tp  # noqa: E402
 from bench_steps import Bench, DistcourseStep, Matmul, TorchLoop, build, hf_trainer, take_turns  # noqa: E402
-from bench_pairs import MainJobRuns, StepRuns, TrainerRuns, paired, rounds, summary_line, time_to_loss  # noqa: E402
+from bench_pairs import MainJobRuns, StepRuns, TrainerRuns, time_to_loss  # noqa: E402
+from pairing import paired, rounds, summary_line  # noqa: E402
 import render  # noqa: E402  (the targets and the tables)
 from render import MAIN_JOB_SHAPE, table, targets  # noqa: E402
 
