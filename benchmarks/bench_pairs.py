@@ -66,36 +66,38 @@ class TrainerRuns:
         return self.tokens * self.n / (t[-1] - t[0])
 
 
-def job_config(b: Bench, steps, out_dir, **kw):
+def job_config(b: Bench, steps, out_dir, compile="true", **kw):
     "The trainer with its defaults (bf16 where native, AdamW, its schedule) on `b`'s model and shape, compiled."
     from distcourse.train import Config
     return Config(model=b.model, batch_size=b.batch_size, seq_len=b.seq_len, max_steps=steps, tracker="none",
-                  output_dir=str(out_dir), compile="true",  # what --compile auto picks for the main job's 450 steps
+                  output_dir=str(out_dir), compile=compile,  # "true": what auto picks for the main job's 450 steps
                   **{"eval_every": 0, "log_every": 5} | kw)
 
 
 class MainJobRuns:
     "The trainer itself, launched as `accelerate launch -m distcourse.train` runs it: a call is one short run."
-    def __init__(self, b: Bench, steps: int, log_every: int, out_dir):
+    def __init__(self, b: Bench, steps: int, log_every: int, out_dir, compile="true"):
         self.b, self.steps, self.log_every, self.out, self.runs = b, steps, log_every, Path(out_dir), []
+        self.compile = compile
 
     def __call__(self) -> float:
         from distcourse.launch import launch
         from distcourse.tracking import read_metrics
         from distcourse.train import train
-        cfg = job_config(self.b, self.steps, self.out / f"main_job{len(self.runs)}", log_every=self.log_every)
+        cfg = job_config(self.b, self.steps, self.out / f"main_job{len(self.runs)}", self.compile,
+                         log_every=self.log_every)
         self.runs.append(launch(train, (cfg,), num_processes=1))  # a forked process, a fresh Accelerate state
         windows = [r["tokens_per_s"] for r in read_metrics(cfg.output_dir)["train"][2:]]  # compile, warm-up out
         return statistics.median(windows)
 
 
 # ------------------------------------------------------------------------- time to the same validation loss
-def trainer_curve(b: Bench, steps, every, out_dir) -> list:
+def trainer_curve(b: Bench, steps, every, out_dir, compile="true") -> list:
     "The course's trainer with its defaults: (training seconds, step, validation loss) every `every` steps."
     from distcourse.launch import launch
     from distcourse.tracking import read_metrics
     from distcourse.train import train
-    cfg = job_config(b, steps, out_dir, eval_every=every, log_every=every)
+    cfg = job_config(b, steps, out_dir, compile, eval_every=every, log_every=every)
     summary = launch(train, (cfg,), num_processes=1)
     m = read_metrics(cfg.output_dir)
     seconds, tokens, busy = {0: 0.0}, 0, 0.0  # the meter's seconds of steps: evaluation and logging left out
@@ -137,10 +139,10 @@ def hf_curve(b: Bench, steps, every, out_dir, warmup_steps) -> list:
     return ev.points
 
 
-def time_to_loss(b: Bench, steps: int, every: int, tmp, per_step_ratio=None) -> dict:
+def time_to_loss(b: Bench, steps: int, every: int, tmp, per_step_ratio=None, compile="true") -> dict:
     "Training seconds each needs to reach the worse of the two final validation losses, and their ratio."
     from distcourse.train import Config
-    ours, summary = trainer_curve(b, steps, every, Path(tmp, "ttl_distcourse"))
+    ours, summary = trainer_curve(b, steps, every, Path(tmp, "ttl_distcourse"), compile)
     theirs = hf_curve(b, steps, every, Path(tmp, "ttl_hf"), Config.warmup_steps)
     target = max(ours[-1][2], theirs[-1][2])
     (t_ours, s_ours), (t_theirs, s_theirs) = crossing(ours, target), crossing(theirs, target)

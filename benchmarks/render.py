@@ -99,7 +99,7 @@ def padding(res: dict) -> str:
 
 def paths_table(res: dict) -> list:
     "Each fp32/bf16 x eager/compile path, the main job, and the Trainer on two of them."
-    batch, seq = MAIN_JOB_SHAPE
+    batch, seq = res.get("job_shape", MAIN_JOB_SHAPE)
     header = row(f"path ({batch} x {seq})", "torch tokens/s", "distcourse tokens/s",
                  "loop_vs_torch", "met")
     lines = ["", header, "|---|---|---|---|---|"]
@@ -186,6 +186,12 @@ def paired_table(res: dict) -> list:
              "rounds of whole runs):", "", "| ratio | median | min | max | pairs |", "|---|---|---|---|---|"]
     for k, v in res["paired"].items():
         lines.append(row(f"`{k}`", *(f"{v[x]:.3f}" for x in ("ratio", "min", "max")), v["pairs"]))
+    if res.get("rounds"):
+        r = res["rounds"]
+        lines += ["", f"The rounds ({len(r['order'])}, the order alternating: {', '.join(r['order'][0])}; then reversed):",
+                  "", "| contender | tokens/s, each round | median |", "|---|---|---|"]
+        for k, v in r["tokens_per_s"].items():
+            lines.append(row(k, " / ".join(f"{x:,.0f}" for x in v), f"{statistics.median(v):,.0f}"))
     return lines
 
 

@@ -68,6 +68,7 @@ OVERLAP = {"no overlap": None, "one bucket": 1024, "2 MiB buckets": 2}
 # mode -> (rounds of the main job against the fastest path and the Trainer's defaults, the main job's steps and
 #          log interval in a round, the others' timed steps in a round, time to the same loss: steps, eval every)
 PAIRS = {"smoke": (2, 6, 2, 3, (8, 4)), "quick": (5, 25, 5, 15, (80, 16)), "full": (7, 40, 5, 25, (450, 50))}
+JOB_COMPILE = {"smoke": "false", "quick": "true", "full": "true"}  # smoke: no compile (seconds, not speed)
 PATHS = {"fp32 eager": ("fp32", False), "fp32 compile": ("fp32", True), "bf16 eager": ("bf16", False),
          "bf16 compile": ("bf16", True)}
 
@@ -151,7 +152,7 @@ def main_job(b: Bench, path: str, mode: str, k: int, tmp) -> dict:
     _, steps, log_every, n, _ = PAIRS[mode]
     precision, compiled = PATHS[path]
     runs = {f"{path} (distcourse step)": StepRuns(replace(b, precision=precision, compile=compiled), n),
-            "main job": (job := MainJobRuns(b, steps, log_every, Path(tmp, "rounds"))),
+            "main job": (job := MainJobRuns(b, steps, log_every, Path(tmp, "rounds"), JOB_COMPILE[mode])),
             "hf_trainer, fp32 eager": TrainerRuns(replace(b, precision="fp32", compile=False), n, Path(tmp, "hf"))}
     rates, order = rounds(runs, k)  # path, main job, Trainer; then Trainer, main job, path: the main job between
     best, mine, hf = rates.values()
@@ -194,6 +195,8 @@ def parse(argv=None):
                    "(at the main job's batch, 16 x 128; ~5 min on 2 cores)")
     p.add_argument("--pairs", type=int, help="rounds of the main job against the fastest path and the Trainer "
                    "(order alternating; default: smoke 2, quick 5, full 7)")
+    p.add_argument("--best_path", choices=list(PATHS), help="with --paths: time only the rounds (and time to the "
+                   "loss), the main job against this path, not the four paths first (their table is left out)")
     p.add_argument("--no_ttl", action="store_true", help="with --paths: skip time to the same validation loss")
     p.add_argument("--out", default=str(HERE), help="directory for results.json and results.md")
     return p.parse_args(argv)
@@ -258,12 +261,14 @@ def main(argv=None):
     res["main_job_vs_best_path"] = None
     if args.paths:
         t = t_paths = time.time()
-        job_b = replace(b, batch_size=MAIN_JOB_SHAPE[0], seq_len=MAIN_JOB_SHAPE[1], warmup=2, steps=10)
+        shape, (warmup, steps) = ((8, 64), (1, 4)) if mode == "smoke" else (MAIN_JOB_SHAPE, (2, 10))  # smoke: cheap
+        job_b = replace(b, batch_size=shape[0], seq_len=shape[1], warmup=warmup, steps=steps)
+        res["job_shape"] = list(shape)
         k = args.pairs or PAIRS[mode][0]
         with tempfile.TemporaryDirectory() as tmp:
-            res["paths"] = paths(job_b, matmul_n, model, tmp)
+            res["paths"] = None if args.best_path else paths(job_b, matmul_n, model, tmp)
             sections["paths_contenders"], t = time.time() - t, time.time()
-            best = max(res["paths"], key=lambda p: res["paths"][p]["tokens_per_s"]["distcourse"])
+            best = args.best_path or max(res["paths"], key=lambda p: res["paths"][p]["tokens_per_s"]["distcourse"])
             # The course's defaults (bf16 where native, compiled) against the fastest path, and against
             # transformers.Trainer's (fp32, eager; the optimizer matched: torch AdamW), in alternating rounds
             job = main_job(job_b, best, mode, k, tmp)
@@ -273,12 +278,13 @@ def main(argv=None):
             if not args.no_ttl:  # the defaults against the Trainer's: training seconds to the same validation loss
                 steps, every = PAIRS[mode][4]
                 res["time_to_loss"] = ttl = time_to_loss(job_b, steps, every, tmp,
-                                                         res["paired"]["defaults_vs_hf_trainer_defaults"]["ratio"])
+                                                         res["paired"]["defaults_vs_hf_trainer_defaults"]["ratio"],
+                                                         JOB_COMPILE[mode])
                 res["defaults_time_to_loss_vs_hf_trainer"] = ttl["ratio"]
                 sections["time_to_loss"] = time.time() - t
-        res["paired"]["matched_vs_hf_trainer"] = res["paths"]["bf16 compile"]["paired"]["loop_vs_hf_trainer"]
+        if res["paths"]: res["paired"]["matched_vs_hf_trainer"] = res["paths"]["bf16 compile"]["paired"]["loop_vs_hf_trainer"]
         for x in ("main_job_vs_best_path", "defaults_vs_hf_trainer_defaults", "matched_vs_hf_trainer"):
-            res[x] = res["paired"][x]["ratio"]
+            res[x] = res["paired"][x]["ratio"] if x in res["paired"] else None
         sections["paths"] = time.time() - t_paths  # of which: paths_contenders, rounds, time_to_loss
     res.setdefault("loop_vs_hf_trainer", None)
     res["mm_utilisation"] = res["mm_utilisation_by_contender"]["distcourse"]  # over a measured matmul: not MFU

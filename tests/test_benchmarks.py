@@ -190,7 +190,7 @@ def test_parts_can_be_left_out_and_paths_added(tmp_path):
         assert paired[k] == {"ratio": statistics.median(per), "min": min(per), "max": max(per), "pairs": 2,
                              "per_pair": per} and res[k] == paired[k]["ratio"], k
     assert res["matched_vs_hf_trainer"] == paired["matched_vs_hf_trainer"]["ratio"]
-    assert paired["matched_vs_hf_trainer"]["pairs"] == 10  # the bf16-compile path's steps, taking turns
+    assert paired["matched_vs_hf_trainer"]["pairs"] == 4  # the bf16-compile path's steps, taking turns
     # time to the same validation loss: both curves reach the worse of the two finals, each in its seconds
     ttl = res["time_to_loss"]
     assert ttl["target_loss"] == max(ttl["distcourse"]["curve"][-1][2], ttl["hf_trainer"]["curve"][-1][2])
@@ -199,7 +199,8 @@ def test_parts_can_be_left_out_and_paths_added(tmp_path):
         assert [s for _, s, _ in curve] == [0, 4, 8] and 0 < ttl[k]["seconds"] <= curve[-1][0], k
     assert res["defaults_time_to_loss_vs_hf_trainer"] == ttl["ratio"] == ttl["hf_trainer"]["seconds"] / ttl["distcourse"]["seconds"]
     assert number(ttl["paired_estimate"]) and "Time to the same validation loss" in (tmp_path / "results.md").read_text()
-    assert res["main_job"]["choices"]["compile"]["value"] is True and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
+    # smoke: the main job not compiled (CI seconds); --quick and full compile it, as auto does for 450 steps
+    assert res["main_job"]["choices"]["compile"]["value"] is False and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
     assert res["ddp"] is None and res["processes_vs_threads"] is None and res["loop_vs_hf_trainer"] is None
     assert res["weak_scaling"] is None and res["strong_scaling"] is None
     assert res["tp"] is None and "comm" not in res and "overlap" not in res
