@@ -275,6 +275,8 @@ def main(argv=None):
             res["paired"] |= {x: job.pop(x) for x in ("main_job_vs_best_path", "defaults_vs_hf_trainer_defaults")}
             res |= job
             sections["rounds"], t = time.time() - t, time.time()
+            Path(args.out).mkdir(parents=True, exist_ok=True)  # kept should a later part not finish
+            (Path(args.out) / "rounds.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
             if not args.no_ttl:  # the defaults against the Trainer's: training seconds to the same validation loss
                 steps, every = PAIRS[mode][4]
                 res["time_to_loss"] = ttl = time_to_loss(job_b, steps, every, tmp,
