@@ -143,19 +143,24 @@ def take_turns(contenders, b, record, turn):
         record(c.name, *timed(c, b.chunk, b.device))
 
 
-def hf_trainer(b: Bench, others, record, out_dir):
-    "`transformers.Trainer` on the same model and data; `others` take turns with it from a callback."
+def make_hf_trainer(b: Bench, out_dir, callbacks, max_steps=None, warmup_steps=WARMUP_STEPS) -> Trainer:
+    "`transformers.Trainer` on `b`'s model and data, the optimizer and schedule the others use."
     model, dl = build(b)
     args = TrainingArguments(
-        output_dir=str(out_dir), per_device_train_batch_size=b.batch_size, max_steps=b.total_steps,
+        output_dir=str(out_dir), per_device_train_batch_size=b.batch_size, max_steps=max_steps or b.total_steps,
         learning_rate=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="cosine", warmup_steps=WARMUP_STEPS,
+        max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="cosine", warmup_steps=warmup_steps,
         optim="adamw_torch",  # torch.optim.AdamW, as the other two (its default would be the fused kernel)
         bf16=b.precision == "bf16", torch_compile=b.compile, use_cpu=b.device == "cpu", seed=b.seed,
         report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, dataloader_pin_memory=b.device != "cpu",
         dataloader_drop_last=True)  # every step a full batch, as the other two loaders
     trainer = Trainer(model=model, args=args, train_dataset=dl.dataset, data_collator=dl.collate_fn,
-                      callbacks=[_TakeTurns(others, b, record, b.batch_size * b.seq_len)])
+                      callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # it would print the end-of-training summary
-    trainer.train()
+    return trainer
+
+
+def hf_trainer(b: Bench, others, record, out_dir):
+    "`transformers.Trainer` on the same model and data; `others` take turns with it from a callback."
+    make_hf_trainer(b, out_dir, [_TakeTurns(others, b, record, b.batch_size * b.seq_len)]).train()

@@ -9,6 +9,7 @@ edited by hand fails `--check` (tests/test_benchmarks.py runs it). Imports nothi
 """
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def padding(res: dict) -> str:
 
 def paths_table(res: dict) -> list:
     "Each fp32/bf16 x eager/compile path, the main job, and the Trainer on two of them."
-    batch, seq = MAIN_JOB_SHAPE
+    batch, seq = res.get("job_shape", MAIN_JOB_SHAPE)
     header = row(f"path ({batch} x {seq})", "torch tokens/s", "distcourse tokens/s",
                  "loop_vs_torch", "met")
     lines = ["", header, "|---|---|---|---|---|"]
@@ -169,12 +170,46 @@ def table(res: dict) -> str:
     if res["ddp"]:
         for k, v in res["ddp"]["tokens_per_s"].items():
             lines.append(row(f"distcourse, {k} (ddp)", f"{v:,.0f}", "", ""))
+    if res.get("paired"): lines += paired_table(res)
     if res.get("paths"): lines += paths_table(res)
+    if res.get("time_to_loss"): lines += time_to_loss_table(res)
     if res.get("comm"): lines += comm_table(res)
     if res.get("tp"): lines += tp_table(res)
     if res.get("memory"): lines += memory_table(res)
     if res.get("overlap"): lines += overlap_table(res)
     return "\n".join(lines) + "\n"
+
+
+def paired_table(res: dict) -> list:
+    "Each ratio as the median of its per-pair ratios (the order alternating), with their spread."
+    lines = ["", "Ratios, each the median over pairs timed in alternating order (steps taking turns; the main job: "
+             "rounds of whole runs):", "", "| ratio | median | min | max | pairs |", "|---|---|---|---|---|"]
+    for k, v in res["paired"].items():
+        lines.append(row(f"`{k}`", *(f"{v[x]:.3f}" for x in ("ratio", "min", "max")), v["pairs"]))
+    if res.get("rounds"):
+        r = res["rounds"]
+        lines += ["", f"The rounds ({len(r['order'])}, the order alternating: {', '.join(r['order'][0])}; then reversed):",
+                  "", "| contender | tokens/s, each round | median |", "|---|---|---|"]
+        for k, v in r["tokens_per_s"].items():
+            lines.append(row(k, " / ".join(f"{x:,.0f}" for x in v), f"{statistics.median(v):,.0f}"))
+    return lines
+
+
+def time_to_loss_table(res: dict) -> list:
+    "Training seconds to the same validation loss: the trainer's defaults against transformers.Trainer's."
+    ttl = res["time_to_loss"]
+    batch, seq = ttl["shape"]
+    lines = ["", f"Time to the same validation loss ({ttl['target_loss']:.3f}, the worse of the two after "
+                 f"{ttl['steps']} steps of {batch} x {seq}; evaluated every {ttl['eval_every']} steps on the same "
+                 "validation set, interpolated; training seconds, evaluation left out):", "",
+             "| trainer | seconds | step | final loss |", "|---|---|---|---|"]
+    for k, what in (("distcourse", "distcourse.train, its defaults"), ("hf_trainer", "transformers.Trainer, fp32 eager")):
+        v = ttl[k]
+        lines.append(row(what, num(v["seconds"], 1), num(v["step"], 1), f"{v['curve'][-1][2]:.3f}"))
+    estimate = ttl.get("paired_estimate")
+    lines += ["", f"`defaults_time_to_loss_vs_hf_trainer` {num(ttl['ratio'])} (one pair of runs); steps to the loss "
+                  f"{num(ttl['steps_ratio'])} x the paired per-step ratio: {num(estimate)}"]
+    return lines
 
 
 def overlap_table(res: dict) -> list:
@@ -246,13 +281,24 @@ def readme_paths(res: dict) -> list:
     best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
     job = res["main_job"]["tokens_per_s"]
     trainer = res["paths"]["fp32 eager"]["tokens_per_s"]["hf_trainer"]
+    spread = {k: "" for k in ("main_job_vs_best_path", "defaults_vs_hf_trainer_defaults", "matched_vs_hf_trainer")}
+    if res.get("rounds"):  # medians of the rounds, and each ratio's spread over its pairs
+        best, _, trainer = (statistics.median(v) for v in res["rounds"]["tokens_per_s"].values())
+        spread = {k: f"; {p['min']:.3f}–{p['max']:.3f} over {p['pairs']} pairs" for k, p in res["paired"].items()}
     rows.append(target_row(res, "main_job_vs_best_path",
                            "(the trainer with its defaults ÷ the fastest path)",
-                           f" ({job:,.0f} vs {best:,.0f} tokens/s)"))
+                           f" ({job:,.0f} vs {best:,.0f} tokens/s{spread['main_job_vs_best_path']})"))
     rows.append(target_row(res, "defaults_vs_hf_trainer_defaults",
                            "(tokens/s; the Trainer in fp32, eager)",
-                           f" ({job:,.0f} vs {trainer:,.0f} tokens/s)"))
-    rows.append(target_row(res, "matched_vs_hf_trainer", "(bf16 + compile on both)"))
+                           f" ({job:,.0f} vs {trainer:,.0f} tokens/s{spread['defaults_vs_hf_trainer_defaults']})"))
+    matched = spread["matched_vs_hf_trainer"].lstrip("; ")
+    rows.append(target_row(res, "matched_vs_hf_trainer", "(bf16 + compile on both)", f" ({matched})" if matched else ""))
+    if res.get("time_to_loss"):
+        ttl = res["time_to_loss"]
+        rows.append(row("`defaults_time_to_loss_vs_hf_trainer` (training seconds to the same validation loss, "
+                        f"{ttl['target_loss']:.2f})", f"{num(ttl['ratio'])} ({ttl['distcourse']['seconds']:.0f} vs "
+                        f"{ttl['hf_trainer']['seconds']:.0f} s; steps to it × paired per-step ratio: "
+                        f"{num(ttl.get('paired_estimate'))})", "", ""))
     return rows
 
 

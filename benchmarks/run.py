@@ -10,7 +10,9 @@ Written into benchmarks/ (the default --out), a run also rewrites the README's a
 results.json (benchmarks/render.py, which holds the targets).
 
 Contenders take turns step by step in one process (warm-up excluded, medians over turns), so a neighbour's
-load slows all of them alike; every target is a ratio of two numbers measured in the same run.
+load slows all of them alike; every target is a ratio of two numbers measured in the same run. The main job
+(a launched trainer) is timed in `--pairs` rounds against the fastest path and the Trainer's defaults, in
+alternating order (bench_pairs.py); every ratio is the median of its per-pair ratios, with min, max and pairs.
 """
 import argparse
 import json
@@ -45,6 +47,8 @@ import bench_comm  # noqa: E402
 import bench_ddp  # noqa: E402
 from bench_tp import measure_tp  # noqa: E402
 from bench_steps import Bench, DistcourseStep, Matmul, TorchLoop, build, hf_trainer, take_turns  # noqa: E402
+from bench_pairs import MainJobRuns, StepRuns, TrainerRuns, time_to_loss  # noqa: E402
+from pairing import paired, rounds, summary_line  # noqa: E402
 import render  # noqa: E402  (the targets and the tables)
 from render import MAIN_JOB_SHAPE, table, targets  # noqa: E402
 
@@ -61,6 +65,10 @@ MODES = {
 GPU_BENCH = Bench("base", 16, 1024, precision="bf16", vocab_size=50304, device="cuda", warmup=3, steps=30, chunk=5)
 # DDP on 2 processes (lesson 03b's `mlp`): gradients all-reduced after backward, in one bucket, in 2 MiB buckets
 OVERLAP = {"no overlap": None, "one bucket": 1024, "2 MiB buckets": 2}
+# mode -> (rounds of the main job against the fastest path and the Trainer's defaults, the main job's steps and
+#          log interval in a round, the others' timed steps in a round, time to the same loss: steps, eval every)
+PAIRS = {"smoke": (2, 6, 2, 3, (8, 4)), "quick": (5, 25, 5, 15, (80, 16)), "full": (7, 40, 5, 25, (450, 50))}
+JOB_COMPILE = {"smoke": "false", "quick": "true", "full": "true"}  # smoke: no compile (seconds, not speed)
 PATHS = {"fp32 eager": ("fp32", False), "fp32 compile": ("fp32", True), "bf16 eager": ("bf16", False),
          "bf16 compile": ("bf16", True)}
 
@@ -109,9 +117,9 @@ def summarize(per, b: Bench, model) -> dict:
     rate = {k: [v["work_per_step"] / s for s in v["step_s"]] for k, v in per.items()}  # tokens/s (matmul: FLOP/s)
     tps = {k: statistics.median(v) for k, v in rate.items() if k != "matmul"}
     fpt = flops_per_token(model, b.seq_len)
-    def ratio(a, c):
-        paired = [x / y for x, y in zip(rate[a], rate[c])]
-        return {"ratio": statistics.median(paired), "paired_iqr": quartiles(paired), "ratio_of_medians": tps[a] / tps[c]}
+    def ratio(a, c):  # the turns are the pairs: their order alternates (take_turns)
+        p = paired(rate[a], rate[c])
+        return p | {"paired_iqr": quartiles(p["per_pair"]), "ratio_of_medians": tps[a] / tps[c]}
     mm = {k: statistics.median([fpt * x / peak for x, peak in zip(rate[k], rate["matmul"])]) for k in tps}
     out = {"tokens_per_s": tps, "tokens_per_s_iqr": {k: quartiles(rate[k]) for k in tps},
            "step_s": {k: v["step_s"] for k, v in per.items()}, "flops_per_token": fpt,
@@ -133,24 +141,26 @@ def paths(b: Bench, matmul_n, model, tmp) -> dict:
             per = contenders(replace(b, precision=precision, compile=compiled), matmul_n, hf, tmp)
             per.pop("memory")
         r = summarize(per, b, model)
-        out[name] = {"tokens_per_s": r["tokens_per_s"], "loop_vs_torch": r["ratios"]["loop_vs_torch"]["ratio"]}
-        if hf: out[name]["loop_vs_hf_trainer"] = r["ratios"]["loop_vs_hf_trainer"]["ratio"]
+        mine = {k: r["ratios"][k] for k in ("loop_vs_torch", "loop_vs_hf_trainer") if k in r["ratios"]}
+        out[name] = {"tokens_per_s": r["tokens_per_s"], **{k: v["ratio"] for k, v in mine.items()},
+                     "paired": {k: {x: v[x] for x in ("ratio", "min", "max", "pairs")} for k, v in mine.items()}}
     return out
 
 
-def main_job(b: Bench, steps, tmp) -> dict:
-    "The trainer itself, as `accelerate launch -m distcourse.train` runs it (its defaults; the shape of `b`)."
-    from distcourse.launch import launch
-    from distcourse.tracking import read_metrics
-    from distcourse.train import Config, train
-    cfg = Config(model=b.model, batch_size=b.batch_size, seq_len=b.seq_len, max_steps=steps, eval_every=0,
-                 log_every=5, tracker="none", output_dir=str(Path(tmp, "main_job")),
-                 compile="true")  # what --compile auto picks for the main job's 450 steps
-    launch(train, (cfg,), num_processes=1)  # a forked process, with a fresh Accelerate state
-    run = json.loads(Path(cfg.output_dir, "run.json").read_text())
-    windows = [r["tokens_per_s"] for r in read_metrics(cfg.output_dir)["train"][2:]]  # compile and warm-up left out
-    return {"tokens_per_s": statistics.median(windows), "steps": steps, "choices": run["choices"],
-            "mixed_precision": run["mixed_precision"]}
+def main_job(b: Bench, path: str, mode: str, k: int, tmp) -> dict:
+    "The trainer with its defaults, launched, in `k` rounds against the fastest path and the Trainer's defaults."
+    _, steps, log_every, n, _ = PAIRS[mode]
+    precision, compiled = PATHS[path]
+    runs = {f"{path} (distcourse step)": StepRuns(replace(b, precision=precision, compile=compiled), n),
+            "main job": (job := MainJobRuns(b, steps, log_every, Path(tmp, "rounds"), JOB_COMPILE[mode])),
+            "hf_trainer, fp32 eager": TrainerRuns(replace(b, precision="fp32", compile=False), n, Path(tmp, "hf"))}
+    rates, order = rounds(runs, k)  # path, main job, Trainer; then Trainer, main job, path: the main job between
+    best, mine, hf = rates.values()
+    run = job.runs[-1]
+    return {"main_job": {"tokens_per_s": statistics.median(mine), "steps": steps, "log_every": log_every,
+                         "choices": run["choices"], "mixed_precision": run["mixed_precision"]},
+            "rounds": {"order": order, "tokens_per_s": rates, "best_path": path, "other_steps": n},
+            "main_job_vs_best_path": paired(mine, best), "defaults_vs_hf_trainer_defaults": paired(mine, hf)}
 
 
 def environment(b: Bench) -> dict:
@@ -183,6 +193,11 @@ def parse(argv=None):
     p.add_argument("--no_overlap", action="store_true", help="skip DDP's exposed communication (lesson 03b)")
     p.add_argument("--paths", action="store_true", help="also fp32/bf16 x eager/compile and the main job itself "
                    "(at the main job's batch, 16 x 128; ~5 min on 2 cores)")
+    p.add_argument("--pairs", type=int, help="rounds of the main job against the fastest path and the Trainer "
+                   "(order alternating; default: smoke 2, quick 5, full 7)")
+    p.add_argument("--best_path", choices=list(PATHS), help="with --paths: time only the rounds (and time to the "
+                   "loss), the main job against this path, not the four paths first (their table is left out)")
+    p.add_argument("--no_ttl", action="store_true", help="with --paths: skip time to the same validation loss")
     p.add_argument("--out", default=str(HERE), help="directory for results.json and results.md")
     return p.parse_args(argv)
 
@@ -238,21 +253,41 @@ def main(argv=None):
         res |= summarize(per, b, model)
     sections["contenders"] = time.time() - t
     res |= {k: v["ratio"] for k, v in res["ratios"].items()}
+    res["paired"] = {k: {x: v[x] for x in ("ratio", "min", "max", "pairs")} for k, v in res["ratios"].items()}
+    if res["ddp"]:  # its turns are the pairs too (order alternating)
+        s = res["ddp"]["step_s"]
+        res["paired"]["processes_vs_threads"] = {x: v for x, v in paired([1 / x for x in s["2x1"]],
+                                                 [1 / x for x in s["1x2"]]).items() if x != "per_pair"}
     res["main_job_vs_best_path"] = None
     if args.paths:
-        t = time.time()
-        job_b = replace(b, batch_size=MAIN_JOB_SHAPE[0], seq_len=MAIN_JOB_SHAPE[1], warmup=2, steps=10)
+        t = t_paths = time.time()
+        shape, (warmup, steps) = ((8, 64), (1, 4)) if mode == "smoke" else (MAIN_JOB_SHAPE, (2, 10))  # smoke: cheap
+        job_b = replace(b, batch_size=shape[0], seq_len=shape[1], warmup=warmup, steps=steps)
+        res["job_shape"] = list(shape)
+        k = args.pairs or PAIRS[mode][0]
         with tempfile.TemporaryDirectory() as tmp:
-            res["paths"] = paths(job_b, matmul_n, model, tmp)
-            res["main_job"] = main_job(job_b, 15 if mode == "smoke" else 80, tmp)
-        best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
-        res["main_job_vs_best_path"] = res["main_job"]["tokens_per_s"] / best
-        # The course's defaults (bf16 where native, compiled) against transformers.Trainer's (fp32, eager; the
-        # optimizer matched: torch AdamW), and both at matched settings (bf16 + compile).
-        res["defaults_vs_hf_trainer_defaults"] = (res["main_job"]["tokens_per_s"]
-                                                  / res["paths"]["fp32 eager"]["tokens_per_s"]["hf_trainer"])
-        res["matched_vs_hf_trainer"] = res["paths"]["bf16 compile"]["loop_vs_hf_trainer"]
-        sections["paths"] = time.time() - t
+            res["paths"] = None if args.best_path else paths(job_b, matmul_n, model, tmp)
+            sections["paths_contenders"], t = time.time() - t, time.time()
+            best = args.best_path or max(res["paths"], key=lambda p: res["paths"][p]["tokens_per_s"]["distcourse"])
+            # The course's defaults (bf16 where native, compiled) against the fastest path, and against
+            # transformers.Trainer's (fp32, eager; the optimizer matched: torch AdamW), in alternating rounds
+            job = main_job(job_b, best, mode, k, tmp)
+            res["paired"] |= {x: job.pop(x) for x in ("main_job_vs_best_path", "defaults_vs_hf_trainer_defaults")}
+            res |= job
+            sections["rounds"], t = time.time() - t, time.time()
+            Path(args.out).mkdir(parents=True, exist_ok=True)  # kept should a later part not finish
+            (Path(args.out) / "rounds.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+            if not args.no_ttl:  # the defaults against the Trainer's: training seconds to the same validation loss
+                steps, every = PAIRS[mode][4]
+                res["time_to_loss"] = ttl = time_to_loss(job_b, steps, every, tmp,
+                                                         res["paired"]["defaults_vs_hf_trainer_defaults"]["ratio"],
+                                                         JOB_COMPILE[mode])
+                res["defaults_time_to_loss_vs_hf_trainer"] = ttl["ratio"]
+                sections["time_to_loss"] = time.time() - t
+        if res["paths"]: res["paired"]["matched_vs_hf_trainer"] = res["paths"]["bf16 compile"]["paired"]["loop_vs_hf_trainer"]
+        for x in ("main_job_vs_best_path", "defaults_vs_hf_trainer_defaults", "matched_vs_hf_trainer"):
+            res[x] = res["paired"][x]["ratio"] if x in res["paired"] else None
+        sections["paths"] = time.time() - t_paths  # of which: paths_contenders, rounds, time_to_loss
     res.setdefault("loop_vs_hf_trainer", None)
     res["mm_utilisation"] = res["mm_utilisation_by_contender"]["distcourse"]  # over a measured matmul: not MFU
     card = datasheet_gpu(torch.cuda.get_device_name()) if b.device == "cuda" else None
@@ -266,6 +301,7 @@ def main(argv=None):
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "results.md").write_text(table(res))
     print(table(res))
+    for k, v in res["paired"].items(): print(summary_line(k, v))
     if out.resolve() == HERE: render.main([])  # the README's and RESULTS.md's tables follow the new results.json
     return res
 

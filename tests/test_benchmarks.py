@@ -18,6 +18,9 @@ _spec.loader.exec_module(render)
 _spec = importlib.util.spec_from_file_location("scaling", ROOT / "benchmarks" / "scaling.py")
 scaling = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(scaling)
+_spec = importlib.util.spec_from_file_location("pairing", ROOT / "benchmarks" / "pairing.py")
+pairing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(pairing)
 RESULTS = json.loads((ROOT / "benchmarks" / "results.json").read_text())
 GENERATED = ("README.md", "benchmarks/RESULTS.md", "benchmarks/results.md")
 
@@ -49,6 +52,12 @@ def test_results_have_every_field(smoke):
     assert set(res["step_s"]) == CONTENDERS | {"matmul"}
     assert all(len(v) == res["config"]["steps"] for v in res["step_s"].values())  # warm-up steps left out
     assert set(res["ratios"]) == {"loop_vs_torch", "loop_vs_hf_trainer", "hf_trainer_vs_torch"}
+    # every ratio: the median of its pairs (steps taking turns, the order alternating), with its spread
+    assert set(res["paired"]) == set(res["ratios"]) | {"processes_vs_threads"}
+    for k, p in res["paired"].items():
+        turns = res["ddp"]["bench"]["steps"] if k == "processes_vs_threads" else res["config"]["steps"]
+        assert p["min"] <= p["ratio"] <= p["max"] and p["pairs"] == turns, k
+        assert p["ratio"] == pytest.approx(res[k], rel=1e-12), k  # processes_vs_threads: from seconds per step
     assert isinstance(res["device"], str) and res["device"].startswith(("cpu", "cuda"))
     assert {"torch", "transformers", "accelerate", "datasets", "distcourse"} <= set(res["versions"])
     assert res["threads"]["torch"] >= 1 and res["config"]["model"] == "tiny"
@@ -169,15 +178,60 @@ def test_parts_can_be_left_out_and_paths_added(tmp_path):
         with_hf = name in ("fp32 eager", "bf16 compile")
         assert number(v["loop_vs_torch"]), name
         assert set(v["tokens_per_s"]) == {"torch", "distcourse"} | ({"hf_trainer"} if with_hf else set()), name
-    best = max(v["tokens_per_s"]["distcourse"] for v in res["paths"].values())
-    assert res["main_job_vs_best_path"] == res["main_job"]["tokens_per_s"] / best
-    assert number(res["defaults_vs_hf_trainer_defaults"]) and number(res["matched_vs_hf_trainer"])
-    assert res["main_job"]["choices"]["compile"]["value"] is True and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
+    # the main job in 2 rounds against the fastest path and the Trainer's defaults, the order alternating
+    best = max(res["paths"], key=lambda k: res["paths"][k]["tokens_per_s"]["distcourse"])
+    rounds, paired = res["rounds"], res["paired"]
+    first = [f"{best} (distcourse step)", "main job", "hf_trainer, fp32 eager"]
+    assert rounds["best_path"] == best and rounds["order"] == [first, first[::-1]]
+    rates = rounds["tokens_per_s"]
+    assert res["main_job"]["tokens_per_s"] == statistics.median(rates["main job"])
+    for k, other in (("main_job_vs_best_path", first[0]), ("defaults_vs_hf_trainer_defaults", first[2])):
+        per = [x / y for x, y in zip(rates["main job"], rates[other])]
+        assert paired[k] == {"ratio": statistics.median(per), "min": min(per), "max": max(per), "pairs": 2,
+                             "per_pair": per} and res[k] == paired[k]["ratio"], k
+    assert res["matched_vs_hf_trainer"] == paired["matched_vs_hf_trainer"]["ratio"]
+    assert paired["matched_vs_hf_trainer"]["pairs"] == 4  # the bf16-compile path's steps, taking turns
+    # time to the same validation loss: both curves reach the worse of the two finals, each in its seconds
+    ttl = res["time_to_loss"]
+    assert ttl["target_loss"] == max(ttl["distcourse"]["curve"][-1][2], ttl["hf_trainer"]["curve"][-1][2])
+    for k in ("distcourse", "hf_trainer"):
+        curve = ttl[k]["curve"]
+        assert [s for _, s, _ in curve] == [0, 4, 8] and 0 < ttl[k]["seconds"] <= curve[-1][0], k
+    assert res["defaults_time_to_loss_vs_hf_trainer"] == ttl["ratio"] == ttl["hf_trainer"]["seconds"] / ttl["distcourse"]["seconds"]
+    assert number(ttl["paired_estimate"]) and "Time to the same validation loss" in (tmp_path / "results.md").read_text()
+    # smoke: the main job not compiled (CI seconds); --quick and full compile it, as auto does for 450 steps
+    assert res["main_job"]["choices"]["compile"]["value"] is False and isinstance(res["targets"]["main_job_vs_best_path"]["met"], bool)
     assert res["ddp"] is None and res["processes_vs_threads"] is None and res["loop_vs_hf_trainer"] is None
     assert res["weak_scaling"] is None and res["strong_scaling"] is None
     assert res["tp"] is None and "comm" not in res and "overlap" not in res
     assert res["targets"]["processes_vs_threads"]["met"] is None and set(res["tokens_per_s"]) == {"torch", "distcourse"}
     assert "| `processes_vs_threads` | — |" in (tmp_path / "results.md").read_text()
+
+
+def test_rounds_alternate_and_the_ratio_is_the_median_of_the_pairs():
+    "Two contenders on a machine that slows down as it goes (a fake clock): AB, BA, AB, BA; the median of a/b per pair."
+    clock, calls = [0], []
+    def contender(name, rate):
+        def run():
+            calls.append(name); clock[0] += 1
+            return rate / (1 + 0.1 * clock[0])  # load that grows: whoever runs later looks slower
+        return run
+    rates, order = pairing.rounds({"a": contender("a", 2.0), "b": contender("b", 1.0)}, 4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"] and order == [["a", "b"], ["b", "a"]] * 2
+    r = pairing.paired(rates["a"], rates["b"])
+    # per pair: 2·1.2/1.1, 2·1.3/1.4, 2·1.6/1.5, 2·1.7/1.8; the median is the mean of the middle two
+    per = [2 * 1.2 / 1.1, 2 * 1.3 / 1.4, 2 * 1.6 / 1.5, 2 * 1.7 / 1.8]
+    assert r["per_pair"] == pytest.approx(per) and r["pairs"] == 4
+    assert r["ratio"] == pytest.approx((2 * 1.7 / 1.8 + 2 * 1.6 / 1.5) / 2)  # not their mean, not a ratio of medians
+    assert (r["min"], r["max"]) == (pytest.approx(2 * 1.3 / 1.4), pytest.approx(2 * 1.2 / 1.1))
+    assert abs(r["ratio"] - 2) < 0.02  # alternating, the drift cancels; always a first it would read ~2.13
+    with pytest.raises(ValueError, match="one of each per round"): pairing.paired([1.0], [1.0, 2.0])
+
+
+def test_time_to_a_loss_is_interpolated_between_evaluations():
+    curve = [(0.0, 0, 9.0), (10.0, 4, 7.0), (20.0, 8, 5.0)]  # (training seconds, step, validation loss)
+    assert pairing.crossing(curve, 6.0) == (15.0, 6.0) and pairing.crossing(curve, 7.0) == (10.0, 4.0)
+    assert pairing.crossing(curve, 4.0) == (None, None)  # never reached
 
 
 def test_bad_precision_says_what_to_pass(tmp_path):
