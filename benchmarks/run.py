@@ -206,6 +206,7 @@ def main(argv=None):
     t0, args, sections = time.time(), parse(argv), {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that launched workers are stopped on the way out
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before any part writes a figure into it
     b, b_ddp, data_kw, matmul_n = MODES[mode]
     if CUDA and mode != "smoke":
         b, matmul_n = replace(GPU_BENCH, steps=10 if mode == "quick" else GPU_BENCH.steps), 8192
@@ -275,8 +276,8 @@ def main(argv=None):
             res["paired"] |= {x: job.pop(x) for x in ("main_job_vs_best_path", "defaults_vs_hf_trainer_defaults")}
             res |= job
             sections["rounds"], t = time.time() - t, time.time()
-            Path(args.out).mkdir(parents=True, exist_ok=True)  # kept should a later part not finish
-            (Path(args.out) / "rounds.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+            (Path(args.out) / "rounds.json").write_text(  # kept should a later part not finish
+                json.dumps(res, indent=1, default=str) + "\n")
             if not args.no_ttl:  # the defaults against the Trainer's: training seconds to the same validation loss
                 steps, every = PAIRS[mode][4]
                 res["time_to_loss"] = ttl = time_to_loss(job_b, steps, every, tmp,
@@ -297,7 +298,7 @@ def main(argv=None):
                    f"on {b.device}", "card": card, "datasheet_flops_per_s": sheet}
     res["load_average"]["end"] = os.getloadavg()[0]
     res["targets"], res["section_s"], res["wall_s"] = targets(res), sections, time.time() - t0
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
     (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "results.md").write_text(table(res))
     print(table(res))
