@@ -71,10 +71,10 @@ _bars = TqdmDefaultWriteLock.th_lock  # tqdm's thread lock: its monitor thread h
 os.register_at_fork(before=_free_openmp_threads, after_in_child=_stacks_on_signal)  # launch, DataLoader workers...
 os.register_at_fork(before=_bars.acquire, after_in_parent=_bars.release, after_in_child=_own_bar_lock)
 
-
 # %% ../nbs/02a_launch.ipynb #c20d7c2a
 def _start_dir(parent, port) -> Path:  # the forking process's pid, the run's rendezvous port
     return Path(tempfile.gettempdir(), f"distcourse-start-{parent}-{port}")
+
 _passed = set()  # the processes (pids) that passed their start line: each passes it once
 def _start_line(timeout=120):
     "In a process that notebook_launcher forked: say it has started, and wait until all its siblings have (once)."
