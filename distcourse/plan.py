@@ -7,7 +7,7 @@ __all__ = ['PROFILES', 'HAND_OF', 'Shape', 'shape_of', 'block_params', 'n_params
            'load_profile', 'Layout', 'collective_s', 'bubble', 'held', 'rank_params', 'memory', 'step_time', 'predict',
            'layouts', 'plan', 'flags', 'trainer_accepts', 'main']
 
-# %% ../nbs/09b_plan.ipynb #574f0c54
+# %% ../nbs/09b_plan.ipynb #52c54669
 import argparse
 import json
 import os
@@ -30,7 +30,7 @@ from .model import PRESETS
 from .recompute import activation_terms
 from .schedules import actions, in_flight
 
-# %% ../nbs/09b_plan.ipynb #de4a4fcf
+# %% ../nbs/09b_plan.ipynb #e0c49971
 @dataclass(frozen=True)
 class Shape:
     "A decoder-only transformer by its sizes: GPT-2-like, or Llama-like where d_ff or n_kv_head is set."
@@ -55,7 +55,7 @@ def shape_of(name, n_layer=0, vocab_size=8192) -> Shape:
     return Shape(name, n_layer or p["n_layer"], p["n_embd"], p["n_head"], vocab_size, p["n_positions"],
                  **{k: p[k] for k in ("n_expert", "top_k", "moe_every") if k in p})  # a MoE preset's experts
 
-# %% ../nbs/09b_plan.ipynb #fcf1e8a9
+# %% ../nbs/09b_plan.ipynb #9a52e05c
 def block_params(s: Shape) -> dict:
     "One dense block's parameters: 'split' (cut by tp), 'mlp' (cut by tp; one expert), 'copied' (whole on every tp rank)."
     C, b = s.n_embd, int(s.gpt2)  # GPT-2 has biases and LayerNorm shifts; Llama has neither
@@ -77,7 +77,7 @@ def flops_token(s: Shape, seq_len) -> float:
     if s.gpt2: return moe_flops_per_token(s.config(), s.n_expert, s.top_k, seq_len, s.moe_every)
     return 6 * (n_params(s)["active"] - s.vocab_size * s.n_embd) + 12 * s.n_layer * s.n_embd * seq_len
 
-# %% ../nbs/09b_plan.ipynb #172e437f
+# %% ../nbs/09b_plan.ipynb #0a46f59f
 @dataclass
 class Profile:
     "A machine: its devices' peak, memory and links (latency s, bandwidth bytes/s), or a measured table of collectives."
@@ -116,7 +116,7 @@ def load_profile(name) -> Profile:
     if not path.exists(): raise ValueError(f"--profile {name}: not {', '.join(PROFILES)}, measured, nor a JSON file")
     return Profile(**json.loads(path.read_text()))  # its links as [latency, bandwidth] lists
 
-# %% ../nbs/09b_plan.ipynb #b8da096a
+# %% ../nbs/09b_plan.ipynb #718bc7f1
 @dataclass(frozen=True)
 class Layout:
     "How a run splits the work; the fields are the trainer's flags (dp = processes / (tp·pp·cp))."
@@ -137,7 +137,7 @@ class Layout:
         s += f" pp{self.pp} {self.pp_schedule}" * (self.pp > 1) + f" cp{self.cp} {self.cp_impl}" * (self.cp > 1)
         return s + f" ep{self.ep}" * (self.ep > 1) + " ac" * self.activation_checkpointing + f" b{self.batch_size}x{self.grad_accum}"
 
-# %% ../nbs/09b_plan.ipynb #47f3bad5
+# %% ../nbs/09b_plan.ipynb #3cda9f96
 def collective_s(p: Profile, collective, nbytes, n, across=False) -> float:
     "Seconds of one `collective` of `nbytes` on `n` ranks: from the measured table, else latency + bus bytes / bandwidth."
     if n <= 1 or nbytes <= 0: return 0.0
@@ -160,7 +160,7 @@ def held(schedule, pp, m, stage=0, v=2) -> float:
     m -= m % pp * (hand == "interleaved")  # PyTorch's rounds of pp micro-batches: 05f's count
     return in_flight(actions(hand, stage, pp, m, v), hand == "zb-h1") / (v if hand == "interleaved" else 1)
 
-# %% ../nbs/09b_plan.ipynb #66834257
+# %% ../nbs/09b_plan.ipynb #d25f1ab2
 def rank_params(s: Shape, L: Layout, stage=0) -> int:
     "Parameters `stage`'s ranks hold: their blocks' 1/tp (and 1/ep of the experts), the tables on the end stages."
     blk, C, first, last = block_params(s), s.n_embd, stage == 0, stage == L.pp - 1
@@ -194,7 +194,7 @@ def memory(s: Shape, L: Layout, seq_len, dtype="fp32", stage=0) -> dict:
     return out | {"total": sum(out.values()),  # all at once: from the second step on, AdamW's state stays
                   "first_step": max(backward, sum(out[k] for k in ("params", "grads", "optimizer")))}
 
-# %% ../nbs/09b_plan.ipynb #8a552ea7
+# %% ../nbs/09b_plan.ipynb #ccdb2322
 def step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     "Seconds of one optimizer step, by term: compute, the bubble, and each parallelism's exposed communication."
     D, b, t, m, C = 4 if p.dtype == "fp32" else 2, L.batch_size, seq_len // L.cp, L.grad_accum, s.n_embd
@@ -216,8 +216,8 @@ def step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     n_moe = (s.n_expert > 1) * blocks // s.moe_every  # dispatch and combine, forward and backward
     out["ep"] = 4 * n_moe * m * coll("all_to_all", act * s.top_k, L.ep, L.tp * L.cp * L.pp)
     grads, inner = D * rank_params(s, L), L.tp * L.cp * L.pp
-    rs, ag = (coll(c, grads, L.dp, inner) for c in ("reduce_scatter", "all_gather"))  # sharded grads: per
-    dp = [coll("all_reduce", grads, L.dp, inner), rs + ag, m * rs + ag, m * (2 * ag + rs)][L.zero_stage]  # micro-b.
+    rs, ag, ar = (coll(c, grads, L.dp, inner) for c in ("reduce_scatter", "all_gather", "all_reduce"))
+    dp = [ar, (rs if s.megatron else ar) + ag, m * rs + ag * (1 if s.megatron else m), m * (2 * ag + rs)][L.zero_stage]
     out["dp"] = max(0.0, dp - p.overlap * compute * 2 / 3)  # hidden behind backward
     return out
 def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
@@ -229,7 +229,7 @@ def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     return {"layout": L, "memory": mem, "time": times, "step_s": step, "tokens_s": tokens / step,
             "mfu": work / peak, "dominant": max(times, key=times.get)}
 
-# %% ../nbs/09b_plan.ipynb #e57a9e70
+# %% ../nbs/09b_plan.ipynb #b2017790
 def _divisors(n): return [d for d in range(1, n + 1) if n % d == 0]
 def _fits(s, L, seq_len, p, course) -> bool:
     "Degrees, schedule and micro-batches 05k's check_degrees accepts (course: the trainer's own limits too)."
@@ -263,7 +263,7 @@ def plan(s: Shape, world, global_batch, seq_len, p: Profile, **kw) -> list:
     return sorted((predict(s, L, seq_len, p) for L in layouts(s, world, global_batch, seq_len, p, **kw)),
                   key=lambda r: r["step_s"])
 
-# %% ../nbs/09b_plan.ipynb #b3b8e88d
+# %% ../nbs/09b_plan.ipynb #ce69c686
 def flags(L: Layout, model=None, seq_len=None, n_layer=0, dtype="fp32") -> list:
     "The trainer's flags for `L` (defaults left out), after --model, --n_layer and --seq_len when given."
     out = {"model": model, "n_layer": n_layer, "seq_len": seq_len, "mixed_precision": "no" if dtype == "fp32" else "bf16"}
