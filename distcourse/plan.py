@@ -7,7 +7,7 @@ __all__ = ['PROFILES', 'HAND_OF', 'Shape', 'shape_of', 'block_params', 'n_params
            'load_profile', 'Layout', 'collective_s', 'bubble', 'held', 'rank_params', 'memory', 'step_time', 'predict',
            'layouts', 'plan', 'flags', 'trainer_accepts', 'main']
 
-# %% ../nbs/09b_plan.ipynb #49ca21a2
+# %% ../nbs/09b_plan.ipynb #c5cc1fef
 import argparse
 import json
 import os
@@ -30,7 +30,7 @@ from .model import PRESETS
 from .recompute import activation_terms
 from .schedules import actions, in_flight
 
-# %% ../nbs/09b_plan.ipynb #ca138bde
+# %% ../nbs/09b_plan.ipynb #845144bd
 @dataclass(frozen=True)
 class Shape:
     "A decoder-only transformer by its sizes: GPT-2-like, or Llama-like where d_ff or n_kv_head is set."
@@ -55,7 +55,7 @@ def shape_of(name, n_layer=0, vocab_size=8192) -> Shape:
     return Shape(name, n_layer or p["n_layer"], p["n_embd"], p["n_head"], vocab_size, p["n_positions"],
                  **{k: p[k] for k in ("n_expert", "top_k", "moe_every") if k in p})  # a MoE preset's experts
 
-# %% ../nbs/09b_plan.ipynb #fe3deea2
+# %% ../nbs/09b_plan.ipynb #003234ef
 def block_params(s: Shape) -> dict:
     "One dense block's parameters: 'split' (cut by tp), 'mlp' (cut by tp; one expert), 'copied' (whole on every tp rank)."
     C, b = s.n_embd, int(s.gpt2)  # GPT-2 has biases and LayerNorm shifts; Llama has neither
@@ -77,7 +77,7 @@ def flops_token(s: Shape, seq_len) -> float:
     if s.gpt2: return moe_flops_per_token(s.config(), s.n_expert, s.top_k, seq_len, s.moe_every)
     return 6 * (n_params(s)["active"] - s.vocab_size * s.n_embd) + 12 * s.n_layer * s.n_embd * seq_len
 
-# %% ../nbs/09b_plan.ipynb #bec2dd25
+# %% ../nbs/09b_plan.ipynb #144c1574
 @dataclass
 class Profile:
     "A machine: its devices' peak, memory and links (latency s, bandwidth bytes/s), or a measured table of collectives."
@@ -116,7 +116,7 @@ def load_profile(name) -> Profile:
     if not path.exists(): raise ValueError(f"--profile {name}: not {', '.join(PROFILES)}, measured, nor a JSON file")
     return Profile(**json.loads(path.read_text()))  # its links as [latency, bandwidth] lists
 
-# %% ../nbs/09b_plan.ipynb #e70f4059
+# %% ../nbs/09b_plan.ipynb #5628173b
 @dataclass(frozen=True)
 class Layout:
     "How a run splits the work; the fields are the trainer's flags (dp = processes / (tp·pp·cp))."
@@ -137,7 +137,7 @@ class Layout:
         s += f" pp{self.pp} {self.pp_schedule}" * (self.pp > 1) + f" cp{self.cp} {self.cp_impl}" * (self.cp > 1)
         return s + f" ep{self.ep}" * (self.ep > 1) + " ac" * self.activation_checkpointing + f" b{self.batch_size}x{self.grad_accum}"
 
-# %% ../nbs/09b_plan.ipynb #4c796dd1
+# %% ../nbs/09b_plan.ipynb #a8936d72
 def collective_s(p: Profile, collective, nbytes, n, across=False) -> float:
     "Seconds of one `collective` of `nbytes` on `n` ranks: from the measured table, else latency + bus bytes / bandwidth."
     if n <= 1 or nbytes <= 0: return 0.0
@@ -145,14 +145,12 @@ def collective_s(p: Profile, collective, nbytes, n, across=False) -> float:
         rows = p.comm.get(str(n)) or p.comm[min(p.comm, key=lambda k: abs(int(k) - n))]
         return predicted_all_reduce_s([{**r, "collective": "all_reduce"} for r in rows
                                        if r["collective"] == collective], nbytes)
-    latency, bandwidth = p.inter if across else p.intra
-    hops = {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(collective, n - 1)  # ring algorithms
-    return hops * latency + bus_factor(collective, n) * nbytes / bandwidth
+    (latency, bandwidth), hops = p.inter if across else p.intra, {"all_reduce": 2 * (n - 1), "send_recv": 1}
+    return hops.get(collective, n - 1) * latency + bus_factor(collective, n) * nbytes / bandwidth  # ring
 HAND_OF = {"zb": "zb-h1", "zbv": "zb-h1", "dualpipev": "zb-h1"}  # PyTorch's, as the 05f schedule they resemble
 def bubble(schedule, pp, m, v=2) -> float:
     "Idle share of a pipeline step with t_b = 2·t_f: (pp-1)/(k·m + pp-1), k = 1, v (interleaved) or 3 (zero bubble)."
-    k = {"interleaved": v, "zb-h1": 3}.get(HAND_OF.get(schedule, schedule), 1)
-    return (pp - 1) / (k * m + pp - 1)
+    return (pp - 1) / ({"interleaved": v, "zb-h1": 3}.get(HAND_OF.get(schedule, schedule), 1) * m + pp - 1)
 @lru_cache(maxsize=None)
 def held(schedule, pp, m, stage=0, v=2) -> float:
     "Micro-batches of activations `stage` holds at its peak (05f's in_flight; an interleaved chunk counts 1/v)."
@@ -160,11 +158,10 @@ def held(schedule, pp, m, stage=0, v=2) -> float:
     m -= m % pp * (hand == "interleaved")  # PyTorch's rounds of pp micro-batches: 05f's count
     return in_flight(actions(hand, stage, pp, m, v), hand == "zb-h1") / (v if hand == "interleaved" else 1)
 
-# %% ../nbs/09b_plan.ipynb #38b795c4
+# %% ../nbs/09b_plan.ipynb #b3814894
 def rank_params(s: Shape, L: Layout, stage=0) -> int:
     "Parameters `stage`'s ranks hold: their blocks' 1/tp (and 1/ep of the experts), the tables on the end stages."
-    blk, C, first, last = block_params(s), s.n_embd, stage == 0, stage == L.pp - 1
-    blocks = -(-s.n_layer // L.pp)  # an uneven split: the fullest stage
+    blk, C, first, last, blocks = block_params(s), s.n_embd, stage == 0, stage == L.pp - 1, -(-s.n_layer // L.pp)
     n = blocks * ((blk["split"] + blk["mlp"]) / L.tp + blk["copied"])
     if s.n_expert > 1: n += blocks // s.moe_every * ((s.n_expert // L.ep - 1) * blk["expert"] / L.tp + C * s.n_expert)
     table = s.vocab_size * C / (L.tp if s.megatron else 1)
@@ -186,15 +183,19 @@ def memory(s: Shape, L: Layout, seq_len, dtype="fp32", stage=0) -> dict:
     blocks, last = -(-s.n_layer // L.pp), stage == L.pp - 1
     kept = blocks * D * b * t * C / sp + block if L.activation_checkpointing else blocks * block
     logits = 4 * b * t * s.vocab_size / (L.tp if s.megatron else 1) * last  # fp32, the log-softmax's
+    big = max(s.vocab_size * C / (L.tp if s.megatron else 1), 4 * C * C / L.tp) / (L.dp if L.zero_stage else 1)
+    ddp = s.gpt2 and not s.megatron and L.world == L.dp > 1 and L.zero_stage < 2  # 09a's DDP: gradient buckets
     out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
+           "AdamW's sqrt and denominator (05)": 8 * big, "DDP's gradient buckets": state["grads"] * ddp,
            "activations": kept * (held(L.pp_schedule, L.pp, L.grad_accum, stage) if L.pp > 1 else 1)
                           + last * (2 * D * b * t * C / sp + 8 * b * t),  # + the final norm's
            "logits (log-softmax, kept)": logits, "loss backward (2 logits-sized)": 2 * logits}
-    backward = sum(out.values()) - out["optimizer"] - out["grads"] * (L.grad_accum == 1)
+    step = ("params", "grads", "optimizer", "AdamW's sqrt and denominator (05)", "DDP's gradient buckets")
+    backward = sum(out.values()) - sum(out[k] for k in step[2:]) - out["grads"] * (L.grad_accum == 1)
     return out | {"total": sum(out.values()),  # all at once: from the second step on, AdamW's state stays
-                  "first_step": max(backward, sum(out[k] for k in ("params", "grads", "optimizer")))}
+                  "first_step": max(backward, sum(out[k] for k in step))}
 
-# %% ../nbs/09b_plan.ipynb #6fd2a11a
+# %% ../nbs/09b_plan.ipynb #2c759e8e
 def step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     "Seconds of one optimizer step, by term: compute, the bubble, and each parallelism's exposed communication."
     D, b, t, m, C = 4 if p.dtype == "fp32" else 2, L.batch_size, seq_len // L.cp, L.grad_accum, s.n_embd
@@ -203,11 +204,11 @@ def step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     head = head * tokens / (L.dp * L.cp * (L.tp if s.megatron else 1))  # the last stage's; 05c copies it
     rate = p.flops * p.mm_frac / (L.world if p.shared else 1)  # processes on one CPU share its cores
     compute = (body * (4 / 3 if L.activation_checkpointing else 1) + head) / rate  # recomputed: a 2nd forward
-    f = bubble(L.pp_schedule, L.pp, m)
     def coll(name, nbytes, n, inner):  # a group of n ranks, `inner` apart: across nodes when it spans them
         return collective_s(p, name, nbytes, n, n * inner > p.devices_per_node)
     blocks, act = -(-s.n_layer // L.pp), D * b * t * C  # one micro-batch's hidden states on a rank
     kv = 2 * act * (s.n_kv_head or s.n_head) / s.n_head / L.tp  # its keys and values, a tp rank's heads
+    f = bubble(L.pp_schedule, L.pp, m)  # idle share: the busy time is 1 - f of the step
     out = {"compute": compute, "bubble": compute * f / (1 - f),
            "tp": 4 * blocks * m * coll("all_reduce", act, L.tp, 1),  # 2 in forward, 2 in backward
            "cp": blocks * m * (3 * (L.cp - 1) * coll("send_recv", kv, L.cp, L.tp) if L.cp_impl == "ring"
@@ -229,8 +230,7 @@ def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     return {"layout": L, "memory": mem, "time": times, "step_s": step, "tokens_s": tokens / step,
             "mfu": work / peak, "dominant": max(times, key=times.get)}
 
-# %% ../nbs/09b_plan.ipynb #d5c0f81a
-def _divisors(n): return [d for d in range(1, n + 1) if n % d == 0]
+# %% ../nbs/09b_plan.ipynb #21fc3703
 def _fits(s, L, seq_len, p, course) -> bool:
     "Degrees, schedule and micro-batches 05k's check_degrees accepts (course: the trainer's own limits too)."
     v = 2 if L.pp_schedule in PP_SCHEDULES[2:] else 1  # PyTorch's schedules: 2 chunks per rank
@@ -244,26 +244,26 @@ def layouts(s: Shape, world, global_batch, seq_len, p: Profile,
             zero_stages=(0, 1, 2, 3), schedules=PP_SCHEDULES, cp_impls=("ring", "ulysses"),
             batch_sizes=(1, 2, 4, 8, 16), recompute=(False, True)) -> list:
     "Every Layout of `world` ranks that can train `s` on `global_batch` sequences and fits each rank's memory."
-    out, course = [], model is not None
-    for tp, cp, pp in product(_divisors(world), repeat=3):
+    out, course, divisors = [], model is not None, lambda n: [d for d in range(1, n + 1) if n % d == 0]
+    for tp, cp, pp in product(divisors(world), repeat=3):
         dp, mesh = world // (tp * cp * pp), tp * cp * pp > 1
         if world % (tp * cp * pp) or global_batch % dp or (course and mesh and s.n_expert > 1): continue
         mesh = course and mesh  # the trainer's mesh: no ZeRO, no recomputation (05k)
         for b, sched, impl, z, ac, ep in product(
                 [b for b in batch_sizes if global_batch // dp % b == 0], schedules if pp > 1 else ("1f1b",),
                 cp_impls if cp > 1 else ("ring",), zero_stages if dp > 1 and not mesh else (0,),
-                recompute if not mesh else (False,), _divisors(dp) if s.n_expert > 1 else (1,)):
+                recompute if not mesh else (False,), divisors(dp) if s.n_expert > 1 else (1,)):
             L = Layout(dp, z, tp, pp, sched, global_batch // dp // b, cp, impl, ep, ac, b)
             out += [L] * _fits(s, L, seq_len, p, course)
-    peak = lambda L: max(memory(s, L, seq_len, p.dtype, k)["total"] for k in {0, L.pp - 1})  # the fullest rank
-    fits = lambda L: peak(L) * (L.world if p.shared else 1) <= p.mem_bytes  # shared: all ranks in one memory
+    fits = lambda L: max(memory(s, L, seq_len, p.dtype, k)["total"] for k in {0, L.pp - 1}) * (  # fullest rank;
+        L.world if p.shared else 1) <= p.mem_bytes  # on a shared machine all ranks fit its memory together
     return [L for L in out if fits(L) and not (course and trainer_accepts(L, model, seq_len, n_layer))]
 def plan(s: Shape, world, global_batch, seq_len, p: Profile, **kw) -> list:
     "predict() for every feasible layout, fastest first (`kw`: layouts' options)."
     return sorted((predict(s, L, seq_len, p) for L in layouts(s, world, global_batch, seq_len, p, **kw)),
                   key=lambda r: r["step_s"])
 
-# %% ../nbs/09b_plan.ipynb #9e2ba2be
+# %% ../nbs/09b_plan.ipynb #13091596
 def flags(L: Layout, model=None, seq_len=None, n_layer=0, dtype="fp32") -> list:
     "The trainer's flags for `L` (defaults left out), after --model, --n_layer and --seq_len when given."
     out = {"model": model, "n_layer": n_layer, "seq_len": seq_len, "mixed_precision": "no" if dtype == "fp32" else "bf16"}
