@@ -7,7 +7,7 @@ __all__ = ['PROFILES', 'HAND_OF', 'Shape', 'shape_of', 'block_params', 'n_params
            'load_profile', 'Layout', 'collective_s', 'bubble', 'held', 'rank_params', 'memory', 'step_time', 'predict',
            'layouts', 'plan', 'flags', 'trainer_accepts', 'main']
 
-# %% ../nbs/09b_plan.ipynb #c5cc1fef
+# %% ../nbs/09b_plan.ipynb #7411b50b
 import argparse
 import json
 import os
@@ -30,7 +30,7 @@ from .model import PRESETS
 from .recompute import activation_terms
 from .schedules import actions, in_flight
 
-# %% ../nbs/09b_plan.ipynb #845144bd
+# %% ../nbs/09b_plan.ipynb #31516f51
 @dataclass(frozen=True)
 class Shape:
     "A decoder-only transformer by its sizes: GPT-2-like, or Llama-like where d_ff or n_kv_head is set."
@@ -55,7 +55,7 @@ def shape_of(name, n_layer=0, vocab_size=8192) -> Shape:
     return Shape(name, n_layer or p["n_layer"], p["n_embd"], p["n_head"], vocab_size, p["n_positions"],
                  **{k: p[k] for k in ("n_expert", "top_k", "moe_every") if k in p})  # a MoE preset's experts
 
-# %% ../nbs/09b_plan.ipynb #003234ef
+# %% ../nbs/09b_plan.ipynb #418331ea
 def block_params(s: Shape) -> dict:
     "One dense block's parameters: 'split' (cut by tp), 'mlp' (cut by tp; one expert), 'copied' (whole on every tp rank)."
     C, b = s.n_embd, int(s.gpt2)  # GPT-2 has biases and LayerNorm shifts; Llama has neither
@@ -77,7 +77,7 @@ def flops_token(s: Shape, seq_len) -> float:
     if s.gpt2: return moe_flops_per_token(s.config(), s.n_expert, s.top_k, seq_len, s.moe_every)
     return 6 * (n_params(s)["active"] - s.vocab_size * s.n_embd) + 12 * s.n_layer * s.n_embd * seq_len
 
-# %% ../nbs/09b_plan.ipynb #144c1574
+# %% ../nbs/09b_plan.ipynb #ef1cde3a
 @dataclass
 class Profile:
     "A machine: its devices' peak, memory and links (latency s, bandwidth bytes/s), or a measured table of collectives."
@@ -116,7 +116,7 @@ def load_profile(name) -> Profile:
     if not path.exists(): raise ValueError(f"--profile {name}: not {', '.join(PROFILES)}, measured, nor a JSON file")
     return Profile(**json.loads(path.read_text()))  # its links as [latency, bandwidth] lists
 
-# %% ../nbs/09b_plan.ipynb #5628173b
+# %% ../nbs/09b_plan.ipynb #49db3c49
 @dataclass(frozen=True)
 class Layout:
     "How a run splits the work; the fields are the trainer's flags (dp = processes / (tp·pp·cp))."
@@ -137,7 +137,7 @@ class Layout:
         s += f" pp{self.pp} {self.pp_schedule}" * (self.pp > 1) + f" cp{self.cp} {self.cp_impl}" * (self.cp > 1)
         return s + f" ep{self.ep}" * (self.ep > 1) + " ac" * self.activation_checkpointing + f" b{self.batch_size}x{self.grad_accum}"
 
-# %% ../nbs/09b_plan.ipynb #a8936d72
+# %% ../nbs/09b_plan.ipynb #9835ecff
 def collective_s(p: Profile, collective, nbytes, n, across=False) -> float:
     "Seconds of one `collective` of `nbytes` on `n` ranks: from the measured table, else latency + bus bytes / bandwidth."
     if n <= 1 or nbytes <= 0: return 0.0
@@ -158,7 +158,7 @@ def held(schedule, pp, m, stage=0, v=2) -> float:
     m -= m % pp * (hand == "interleaved")  # PyTorch's rounds of pp micro-batches: 05f's count
     return in_flight(actions(hand, stage, pp, m, v), hand == "zb-h1") / (v if hand == "interleaved" else 1)
 
-# %% ../nbs/09b_plan.ipynb #b3814894
+# %% ../nbs/09b_plan.ipynb #a1d78c82
 def rank_params(s: Shape, L: Layout, stage=0) -> int:
     "Parameters `stage`'s ranks hold: their blocks' 1/tp (and 1/ep of the experts), the tables on the end stages."
     blk, C, first, last, blocks = block_params(s), s.n_embd, stage == 0, stage == L.pp - 1, -(-s.n_layer // L.pp)
@@ -183,10 +183,10 @@ def memory(s: Shape, L: Layout, seq_len, dtype="fp32", stage=0) -> dict:
     blocks, last = -(-s.n_layer // L.pp), stage == L.pp - 1
     kept = blocks * D * b * t * C / sp + block if L.activation_checkpointing else blocks * block
     logits = 4 * b * t * s.vocab_size / (L.tp if s.megatron else 1) * last  # fp32, the log-softmax's
-    big = max(s.vocab_size * C / (L.tp if s.megatron else 1), 4 * C * C / L.tp) / (L.dp if L.zero_stage else 1)
-    ddp = s.gpt2 and not s.megatron and L.world == L.dp > 1 and L.zero_stage < 2  # 09a's DDP: gradient buckets
+    big = max(s.vocab_size * C / (L.tp if s.megatron else 1) * (stage in (0, L.pp - 1)), 4 * C * C / L.tp)
     out = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
-           "AdamW's sqrt and denominator (05)": 8 * big, "DDP's gradient buckets": state["grads"] * ddp,
+           "AdamW's sqrt and denominator (05)": 8 * big / (L.dp if L.zero_stage else 1),  # of the largest tensor
+           "DDP's gradient buckets": state["grads"] * (L.world == L.dp > 1 and L.zero_stage < 2 and not s.megatron),
            "activations": kept * (held(L.pp_schedule, L.pp, L.grad_accum, stage) if L.pp > 1 else 1)
                           + last * (2 * D * b * t * C / sp + 8 * b * t),  # + the final norm's
            "logits (log-softmax, kept)": logits, "loss backward (2 logits-sized)": 2 * logits}
@@ -195,7 +195,7 @@ def memory(s: Shape, L: Layout, seq_len, dtype="fp32", stage=0) -> dict:
     return out | {"total": sum(out.values()),  # all at once: from the second step on, AdamW's state stays
                   "first_step": max(backward, sum(out[k] for k in step))}
 
-# %% ../nbs/09b_plan.ipynb #2c759e8e
+# %% ../nbs/09b_plan.ipynb #7521b524
 def step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     "Seconds of one optimizer step, by term: compute, the bubble, and each parallelism's exposed communication."
     D, b, t, m, C = 4 if p.dtype == "fp32" else 2, L.batch_size, seq_len // L.cp, L.grad_accum, s.n_embd
@@ -230,7 +230,7 @@ def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     return {"layout": L, "memory": mem, "time": times, "step_s": step, "tokens_s": tokens / step,
             "mfu": work / peak, "dominant": max(times, key=times.get)}
 
-# %% ../nbs/09b_plan.ipynb #21fc3703
+# %% ../nbs/09b_plan.ipynb #d298d39e
 def _fits(s, L, seq_len, p, course) -> bool:
     "Degrees, schedule and micro-batches 05k's check_degrees accepts (course: the trainer's own limits too)."
     v = 2 if L.pp_schedule in PP_SCHEDULES[2:] else 1  # PyTorch's schedules: 2 chunks per rank
@@ -263,7 +263,7 @@ def plan(s: Shape, world, global_batch, seq_len, p: Profile, **kw) -> list:
     return sorted((predict(s, L, seq_len, p) for L in layouts(s, world, global_batch, seq_len, p, **kw)),
                   key=lambda r: r["step_s"])
 
-# %% ../nbs/09b_plan.ipynb #13091596
+# %% ../nbs/09b_plan.ipynb #218baa77
 def flags(L: Layout, model=None, seq_len=None, n_layer=0, dtype="fp32") -> list:
     "The trainer's flags for `L` (defaults left out), after --model, --n_layer and --seq_len when given."
     out = {"model": model, "n_layer": n_layer, "seq_len": seq_len, "mixed_precision": "no" if dtype == "fp32" else "bf16"}
