@@ -1,0 +1,81 @@
+"""The planner (lesson 09b): its memory terms are the earlier lessons' functions, its CLI prints a table and a
+command the trainer accepts, what cannot run is never listed, and an exercise check refuses a wrong answer."""
+import json
+import os
+import re
+import shlex
+from dataclasses import replace
+
+import pytest
+from accelerate.utils import patch_environment
+
+import distcourse.plan as plan
+from conftest import ROOT
+from distcourse.config import parse_args
+from distcourse.gpt import GPT, flops_per_token
+from distcourse.memory import zero_bytes
+from distcourse.model import num_params
+from distcourse.recompute import activation_terms
+
+SMALL = plan.shape_of("small", n_layer=4)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_state_is_zero_bytes(stage):
+    mem = plan.memory(SMALL, plan.Layout(4, stage, batch_size=4), 128)
+    whole = zero_bytes(num_params(GPT(SMALL.config())), 4, stage)  # 05's model, of 01a's GPT's parameters
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (whole["params"], whole["grads"], whole["optimizer"])
+
+
+def test_activations_are_05b_terms():
+    L = plan.Layout(1, cp=2, batch_size=2)  # the mesh: the course's GPT, 64 tokens of 128 per rank
+    block = sum(activation_terms(SMALL.config(), 2, 64, 4, dropout=0.0, attention="flash").values())
+    final_norm = 2 * 4 * 2 * 64 * SMALL.n_embd + 8 * 2 * 64
+    mem = plan.memory(SMALL, L, 128)
+    assert mem["activations"] == SMALL.n_layer * block + final_norm
+    assert mem["logits (log-softmax, kept)"] == 4 * 2 * 64 * SMALL.vocab_size
+    assert plan.flops_token(SMALL, 128) == flops_per_token(SMALL.config(), 128)
+
+
+def test_cli_prints_a_table_and_a_command_the_trainer_accepts(capsys, tmp_path):
+    rows = plan.main(["--model", "small", "--n_layer", "4", "--world", "4", "--global_batch", "16", "--top", "3"])
+    out = capsys.readouterr().out
+    table = [l for l in out.splitlines() if re.match(r"\s+\d+ dp\d", l)]
+    assert len(table) == 3 and "dominant" in out
+    line = out.split("the best:\n")[1].strip()
+    words = shlex.split(line)
+    assert words[:5] == ["accelerate", "launch", "--num_processes", "4", "-m"] and words[5] == "distcourse.train"
+    with patch_environment(WORLD_SIZE="4"):  # what accelerate launch sets in every rank
+        cfg = parse_args(words[6:] + ["--output_dir", str(tmp_path / "run")])
+    best = rows[0]["layout"]
+    assert (cfg.tp, cfg.pp, cfg.cp, cfg.zero_stage, cfg.batch_size, cfg.grad_accum) == \
+        (best.tp, best.pp, best.cp, best.zero_stage, best.batch_size, best.grad_accum)
+    assert cfg.batch_size * cfg.grad_accum * best.dp == 16
+
+
+def test_infeasible_layouts_are_not_enumerated():
+    here = plan.load_profile("measured")
+    found = plan.layouts(SMALL, 4, 16, 128, here, model="small", n_layer=4)
+    assert found and all(L.world == 4 and L.dp * L.grad_accum * L.batch_size == 16 for L in found)
+    assert not any(L.tp == 3 or L.tp > 1 and L.zero_stage for L in found)  # 05c can't; the mesh refuses ZeRO
+    assert plan.trainer_accepts(plan.Layout(2, 1, 2, batch_size=8), "small", 128, 4)  # the refusal, said
+    base = plan.layouts(plan.shape_of("base"), 4, 16, 128, here, model="base", batch_sizes=(4,))
+    assert base and not any(L.pp > 1 or L.cp > 1 for L in base)  # 09 refuses them: base has dropout
+    dp4 = [plan.memory(SMALL, L, 128)["total"] for L in found if L.dp == 4 and not L.activation_checkpointing
+           and L.batch_size == 16 // 4]
+    tight = replace(here, mem_bytes=4 * (min(dp4) + max(dp4)) / 2)  # room for ZeRO 3's ranks, not DDP's
+    kept = plan.layouts(SMALL, 4, 16, 128, tight, model="small", n_layer=4, batch_sizes=(4,), recompute=(False,))
+    over = [L for L in kept if L.dp == 4 and plan.memory(SMALL, L, 128)["total"] * 4 > tight.mem_bytes]
+    assert not over and any(L.dp == 4 for L in kept)
+
+
+def test_exercise_check_refuses_a_wrong_answer():
+    nb = json.loads((ROOT / "nbs" / "09b_plan.ipynb").read_text())
+    code = next("".join(c["source"]) for c in nb["cells"] if "def check_model_state" in "".join(c["source"]))
+    ns = dict(vars(plan))
+    exec(code, ns)
+    s = plan.Shape("llama3-405b", 126, 16384, 128, 128000, n_positions=0, d_ff=53248, n_kv_head=8, megatron=True)
+    mem = plan.memory(s, plan.Layout(64, 1, 8, 16, "1f1b", 32), 8192, "bf16")
+    ns["check_model_state"](mem["params"] + mem["grads"] + mem["optimizer"])
+    whole = 16 * plan.rank_params(s, plan.Layout(64, 1, 8, 16))  # nothing sharded over dp: 2 + 2 + 12 bytes each
+    with pytest.raises(AssertionError, match="not yet"): ns["check_model_state"](whole)
