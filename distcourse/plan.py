@@ -293,7 +293,7 @@ def main(argv=None):
     for i, r in enumerate(rows[:a.top], 1):
         print(f"{i:>3} {str(r['layout']):<34} {r['memory']['total'] / 2**30:>9.2f} {r['step_s']:>9.4g} "
               f"{r['mfu']:>6.1%} {r['tokens_s']:>11,.0f}  {r['dominant']}")
-    print("\nthe best:\naccelerate launch --num_processes", rows[0]["layout"].world, "-m distcourse.train",
+    print("\nthe best:\naccelerate launch --multi_gpu --num_processes", rows[0]["layout"].world, "-m distcourse.train",
           *flags(rows[0]["layout"], a.model, a.seq_len, a.n_layer, p.dtype), "--output_dir runs/plan")
     return rows
 if __name__ == "__main__" and "__file__" in globals():  # python -m distcourse.plan, not the notebook

@@ -44,9 +44,10 @@ def test_cli_prints_a_table_and_a_command_the_trainer_accepts(capsys, tmp_path):
     assert len(table) == 3 and "dominant" in out
     line = out.split("the best:\n")[1].strip()
     words = shlex.split(line)
-    assert words[:5] == ["accelerate", "launch", "--num_processes", "4", "-m"] and words[5] == "distcourse.train"
+    # --multi_gpu: without it accelerate launch starts one process on a CPU machine (lesson 02a), whatever --num_processes
+    assert words[:6] == ["accelerate", "launch", "--multi_gpu", "--num_processes", "4", "-m"] and words[6] == "distcourse.train"
     with patch_environment(WORLD_SIZE="4"):  # what accelerate launch sets in every rank
-        cfg = parse_args(words[6:] + ["--output_dir", str(tmp_path / "run")])
+        cfg = parse_args(words[7:] + ["--output_dir", str(tmp_path / "run")])
     best = rows[0]["layout"]
     assert (cfg.tp, cfg.pp, cfg.cp, cfg.zero_stage, cfg.batch_size, cfg.grad_accum) == \
         (best.tp, best.pp, best.cp, best.zero_stage, best.batch_size, best.grad_accum)
