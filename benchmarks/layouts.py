@@ -2,7 +2,7 @@
 length: seconds per optimizer step and every rank's peak memory, in `layouts.json` (the measurements the planner's
 predictions are checked against, issue 29).
 
-    python benchmarks/layouts.py                            # ~15 min on 2 CPU cores: benchmarks/layouts.json
+    python benchmarks/layouts.py                            # ~20 min on 2 quiet CPU cores: benchmarks/layouts.json
     python benchmarks/layouts.py --quick --out /tmp/l.json  # a few layouts at world size 2, 5 steps
 
 A layout is first given to the trainer's own `parse_args` (what each rank runs first, WORLD_SIZE set as a launch
@@ -159,7 +159,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--max_examples", type=int, default=400)
     p.add_argument("--worlds", default="4,2,1", help="world sizes, in the order they run")
-    p.add_argument("--repeats", type=int, default=2, help="passes over the layouts, every other one reversed")
+    p.add_argument("--repeats", type=int, default=3, help="passes over the layouts, every other one reversed")
     p.add_argument("--only", default="", help="only these layouts, by name, comma-separated: 'dp4 z2,tp4'")
     p.add_argument("--until", default="", help="HH:MM UTC: start no run after it (the rest: not_run says so)")
     p.add_argument("--timeout", type=float, default=300, help="seconds before a launch is stopped")

@@ -1,4 +1,4 @@
-"""The planner (lesson 09b): its memory terms are the earlier lessons' functions, its CLI prints a table and a
+"""The planner (lesson 09c): its memory terms are the earlier lessons' functions, its CLI prints a table and a
 command the trainer accepts, what cannot run is never listed, and an exercise check refuses a wrong answer."""
 import json
 import os
@@ -10,6 +10,7 @@ import pytest
 from accelerate.utils import patch_environment
 
 import distcourse.plan as plan
+from distcourse.machine import PROFILES
 from conftest import ROOT
 from distcourse.config import parse_args
 from distcourse.gpt import GPT, flops_per_token
@@ -71,7 +72,7 @@ def test_infeasible_layouts_are_not_enumerated():
 
 
 def test_exercise_check_refuses_a_wrong_answer():
-    nb = json.loads((ROOT / "nbs" / "09b_plan.ipynb").read_text())
+    nb = json.loads((ROOT / "nbs" / "09c_plan.ipynb").read_text())
     code = next("".join(c["source"]) for c in nb["cells"] if "def check_model_state" in "".join(c["source"]))
     ns = dict(vars(plan))
     exec(code, ns)
@@ -80,3 +81,54 @@ def test_exercise_check_refuses_a_wrong_answer():
     ns["check_model_state"](mem["params"] + mem["grads"] + mem["optimizer"])
     whole = 16 * plan.rank_params(s, plan.Layout(64, 1, 8, 16))  # nothing sharded over dp: 2 + 2 + 12 bytes each
     with pytest.raises(AssertionError, match="not yet"): ns["check_model_state"](whole)
+
+
+def test_shared_cores_count_the_machines_work():
+    here = plan.load_profile("measured")
+    pp4, even = plan.Layout(1, pp=4, grad_accum=8, batch_size=2), plan.Shape("even", 8, 256, 4, vocab_size=64)
+    # a waiting stage gives its core to another process: no idle time on 4 processes of 2 cores, unlike on GPUs;
+    # (with `small`'s 8,192-word output layer the last stage is the slowest rank, and that shows as "bubble")
+    assert plan.step_time(even, pp4, 128, here)["bubble"] == 0 < plan.step_time(even, pp4, 128, PROFILES["h100-node"])["bubble"]
+    assert plan.step_time(SMALL, pp4, 128, here)["bubble"] > 0
+    ddp, zero1 = (plan.step_time(SMALL, plan.Layout(4, z, batch_size=4), 128, here) for z in (0, 1))
+    adamw = plan.n_params(SMALL)["total"] * here.adamw_s  # DDP: every rank updates every parameter; ZeRO 1: a quarter
+    assert ddp["compute"] - zero1["compute"] == pytest.approx(3 * adamw / min(here.cores, 4))
+
+
+def _count_worker(out, hf):
+    "Worker: one Mesh step at dp 2 x cp 2, every all_reduce call recorded as (group size, numbers); rank 0 writes."
+    import copy
+    from types import SimpleNamespace
+    import torch
+    import torch.distributed as dist
+    from distcourse.mesh import Mesh
+    dist.init_process_group("gloo")
+    args = SimpleNamespace(tp=1, pp=1, cp=2, cp_impl="ring", lr=1e-3, weight_decay=0.1, warmup_steps=1, max_steps=1,
+                           pp_schedule="1f1b")
+    mesh, calls, real = Mesh(copy.deepcopy(hf), args), [], dist.all_reduce
+    def counted(t, *a, group=None, **k):
+        calls.append((dist.get_world_size(group), t.numel()))
+        return real(t, *a, group=group, **k)
+    x = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
+    dist.all_reduce = counted
+    try: list(mesh.train_steps(iter([{"input_ids": x, "labels": x.clone()}]), 1))
+    finally: dist.all_reduce = real
+    if dist.get_rank() == 0: (out / "calls.json").write_text(json.dumps(calls))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_planner_counts_the_meshs_gradient_calls(tmp_path):
+    "The shared model prices each call the trainer makes: 05k's Mesh all-reduces every gradient tensor, per axis."
+    from functools import partial
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from distcourse.launch import launch
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=64, n_layer=2, n_head=4, n_embd=64, resid_pdrop=0,
+                                    embd_pdrop=0, attn_pdrop=0))
+    launch(partial(_count_worker, hf=hf), (tmp_path,), num_processes=4, timeout=180)
+    calls = json.loads((tmp_path / "calls.json").read_text())
+    tensors = [c for c in calls if c[0] == 2 and c[1] > 1]  # over dp (2) and cp (2); scalars are the loss and tokens
+    s, L = plan.Shape("t", 2, 64, 4, 100, 64), plan.Layout(2, cp=2, batch_size=2)
+    want = plan.dp_messages(s, L, 4 * plan.rank_params(s, L))
+    assert [(c, n) for c, _, n, _ in want] == [("all_reduce", 2), ("all_reduce", 2)]
+    assert len(tensors) == sum(k for *_, k in want) == 2 * len(list(hf.parameters()))
