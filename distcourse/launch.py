@@ -72,22 +72,23 @@ os.register_at_fork(before=_free_openmp_threads, after_in_child=_stacks_on_signa
 os.register_at_fork(before=_bars.acquire, after_in_parent=_bars.release, after_in_child=_own_bar_lock)
 
 # %% ../nbs/02a_launch.ipynb #c20d7c2a
-def _start_dir(parent, port) -> Path:  # the forking process's pid, the run's rendezvous port
-    return Path(tempfile.gettempdir(), f"distcourse-start-{parent}-{port}")
+def _start_dir(parent, port, line="start") -> Path:  # the forking process's pid, the run's rendezvous port
+    return Path(tempfile.gettempdir(), f"distcourse-{line}-{parent}-{port}")
 
 _passed = set()  # the processes (pids) that passed their start line: each passes it once
 def _start_line(timeout=120):
     "In a process that notebook_launcher forked: say it has started, and wait until all its siblings have (once)."
     if multiprocessing.parent_process() is None or "LOCAL_WORLD_SIZE" not in os.environ: return  # not forked
     if os.getpid() in _passed: return  # a second Accelerator: the siblings may be long past the line
-    _passed.add(os.getpid())
-    where, n = _start_dir(os.getppid(), os.environ.get("MASTER_PORT")), int(os.environ["LOCAL_WORLD_SIZE"])
+    _passed.add(os.getpid()); _line("start", timeout)
+def _line(line, timeout):  # "start" or "finish": a directory the siblings share, an empty file per process
+    where, n = _start_dir(os.getppid(), os.environ.get("MASTER_PORT"), line), int(os.environ["LOCAL_WORLD_SIZE"])
     def count(what): return sum(f.startswith(what) for f in os.listdir(where))
     where.mkdir(exist_ok=True)
     (where / f"in{os.environ['LOCAL_RANK']}").touch()
     deadline = time.monotonic() + timeout
     while count("in") < n:
-        if time.monotonic() > deadline: raise TimeoutError(f"{count('in')} of {n} processes started")
+        if time.monotonic() > deadline: raise TimeoutError(f"{count('in')} of {n} processes reached the {line} line")
         time.sleep(0.005)
     (where / f"out{os.environ['LOCAL_RANK']}").touch()
     with suppress(FileNotFoundError):  # two may see themselves last: one removes it
@@ -99,7 +100,7 @@ def _worker(fn, threads, *args):
     torch.set_num_threads(threads)
     for quiet in (disable_datasets_bars, disable_hub_bars, disable_transformers_bar): quiet()  # see the text
     result = fn(*args)
-    if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # a rank exiting early can abort another
+    if dist.is_initialized(): _line("finish", 600); dist.destroy_process_group()  # leave together (see the text)
     return result
 
 def _one_process(fn, threads, args, conn):
@@ -189,7 +190,7 @@ def launch(fn,              # any function: the processes are forks of this one,
         try:
             with time_limit(timeout):
                 notebook_launcher(_worker, (fn, threads, *args), num_processes=num_processes, use_port=str(port))
-        finally: shutil.rmtree(_start_dir(os.getpid(), port), ignore_errors=True)
+        finally: [shutil.rmtree(_start_dir(os.getpid(), port, l), ignore_errors=True) for l in ("start", "finish")]
 
 # %% ../nbs/02a_launch.ipynb #eac535a1
 def hello_worker(out_dir):

@@ -335,3 +335,20 @@ def test_make_accelerator_runs_the_start_line(monkeypatch):
     monkeypatch.setattr(L, "_start_line", lambda: calls.append("held"))
     with _fresh_accelerate_state(): L.make_accelerator()
     assert calls == ["held"]
+
+
+def _uneven():
+    "Rank 1 returns a second after rank 0: rank 0 must not leave the group (and its connections) first."
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1: time.sleep(1)
+    return "done"
+
+
+def test_ranks_leave_together_at_a_finish_line():
+    "Each launched process waits at a finish line (files, no collective) once `fn` returns; the line is removed."
+    t0 = time.monotonic()
+    launch(_uneven, num_processes=2, timeout=60)
+    assert time.monotonic() - t0 >= 1
+    assert not list(Path(tempfile.gettempdir()).glob(f"distcourse-finish-{os.getpid()}-*"))
+    assert not list(Path(tempfile.gettempdir()).glob(f"distcourse-start-{os.getpid()}-*"))
