@@ -114,7 +114,7 @@ def measure_groups(worlds=(2, 4), sizes=(64, 1024, 16384, 262144, 4194304), ops=
         for n in worlds: launch(group_worker, (d, sizes, ops, repeats), num_processes=n)
         return {str(n): json.loads(Path(d, f"groups-{n}.json").read_text()) for n in worlds}
 
-# %% ../nbs/09b_machine.ipynb #ed59d167
+# %% ../nbs/09b_machine.ipynb #9baaafd3
 def calibrate(worlds=(2, 4), source="") -> Profile:
     "The `measured` profile of this CPU: one core's rates (core_rates) and measure_groups' tables."
     if torch.cuda.is_available(): raise ValueError(  # the shared profile is a CPU's; a GPU's would be NCCL's
