@@ -82,15 +82,15 @@ def _start_line(timeout=120):
     if os.getpid() in _passed: return  # a second Accelerator: the siblings may be long past the line
     _passed.add(os.getpid()); _line("start", timeout)
 def _line(line, timeout):  # "start" or "finish": a directory the siblings share, an empty file per process
-    where, n = _start_dir(os.getppid(), os.environ.get("MASTER_PORT"), line), int(os.environ["LOCAL_WORLD_SIZE"])
+    where, n = _start_dir(os.getppid(), os.environ.get("MASTER_PORT"), line), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     def count(what): return sum(f.startswith(what) for f in os.listdir(where))
     where.mkdir(exist_ok=True)
-    (where / f"in{os.environ['LOCAL_RANK']}").touch()
+    (where / f"in{os.environ.get('LOCAL_RANK', 0)}").touch()  # one process (launch's fork of one): no siblings
     deadline = time.monotonic() + timeout
     while count("in") < n:
         if time.monotonic() > deadline: raise TimeoutError(f"{count('in')} of {n} processes reached the {line} line")
         time.sleep(0.005)
-    (where / f"out{os.environ['LOCAL_RANK']}").touch()
+    (where / f"out{os.environ.get('LOCAL_RANK', 0)}").touch()
     with suppress(FileNotFoundError):  # two may see themselves last: one removes it
         if count("out") == n: shutil.rmtree(where)  # the last one through cleans up
 

@@ -352,3 +352,15 @@ def test_ranks_leave_together_at_a_finish_line():
     assert time.monotonic() - t0 >= 1
     assert not list(Path(tempfile.gettempdir()).glob(f"distcourse-finish-{os.getpid()}-*"))
     assert not list(Path(tempfile.gettempdir()).glob(f"distcourse-start-{os.getpid()}-*"))
+
+
+def _one_group():
+    "A process group of one, made by `fn` itself in a one-process launch (no launcher variables around it)."
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo")
+    return dist.get_world_size()
+
+
+def test_a_one_process_group_leaves_without_siblings():
+    assert launch(_one_group, num_processes=1, timeout=60) == 1
