@@ -72,20 +72,20 @@ def cap_to_gpus(wanted):  # processes the run asks for
 # %% ../nbs/03a_collectives.ipynb #c01e7dfc
 TIMED = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv")
 
-def _op(collective, numel, rank, n, device="cpu"):  # device: the backend's (a GPU under NCCL)
+def _op(collective, numel, rank, n, device="cpu", group=None):  # device: the backend's (a GPU under NCCL)
     "A function that runs one `collective` on a buffer of `numel` fp32 values (its whole size, as nccl-tests count)."
     x = torch.ones(numel, device=device)
-    if collective == "all_reduce": return lambda: dist.all_reduce(x)
-    if collective == "broadcast": return lambda: dist.broadcast(x, src=0)
+    if collective == "all_reduce": return lambda: dist.all_reduce(x, group=group)
+    if collective == "broadcast": return lambda: dist.broadcast(x, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     if collective == "all_gather":
         part = torch.ones(numel // n, device=device)
-        return lambda: dist.all_gather_into_tensor(x, part)
+        return lambda: dist.all_gather_into_tensor(x, part, group=group)
     if collective == "reduce_scatter":
         part = torch.empty(numel // n, device=device)
-        return lambda: dist.reduce_scatter_tensor(part, x)
+        return lambda: dist.reduce_scatter_tensor(part, x, group=group)
     if collective == "all_to_all":
         out = torch.empty(numel, device=device)
-        return lambda: dist.all_to_all_single(out, x)
+        return lambda: dist.all_to_all_single(out, x, group=group)
     if collective == "send_recv":  # rank 0 sends to rank 1; the others wait at the barrier
         if rank == 0: return lambda: dist.send(x, dst=1)
         if rank == 1: return lambda: dist.recv(x, src=0)

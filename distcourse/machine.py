@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import distcourse
-from .comm import bus_factor, predicted_all_reduce_s
+from .comm import _op, bus_factor, predicted_all_reduce_s
 from .gpt import GPT, GPTConfig, flops_per_token
 from .model import PRESETS
 
@@ -73,17 +73,10 @@ def core_rates(n=512, params=2**22, model="small", n_layer=4, batch=(2, 64)) -> 
 TIMED_GROUPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 def _group_op(collective, numel, group, n):
-    "One `collective` of `numel` fp32 numbers in `group` (n ranks); send_recv: each rank to the next, as a ring does."
-    x, part = torch.ones(numel), torch.ones(numel // n)  # CPU on purpose: the shared profile is gloo's
-    r = dist.get_rank(group)
-    if collective == "all_reduce": return lambda: dist.all_reduce(x, group=group)
-    if collective == "all_gather": return lambda: dist.all_gather_into_tensor(x, part, group=group)
-    if collective == "reduce_scatter": return lambda: dist.reduce_scatter_tensor(part, x, group=group)
-    if collective == "all_to_all":
-        out = torch.empty(numel)  # CPU on purpose: the shared profile is gloo's
-        return lambda: dist.all_to_all_single(out, x, group=group)
-    buf = torch.empty(numel)  # CPU on purpose: the shared profile is gloo's
-    peer = lambda k: dist.get_global_rank(group, k % n)
+    "One `collective` of `numel` fp32 numbers in `group` (n ranks): 03a's `_op`, but send_recv is a ring shift."
+    if collective != "send_recv": return _op(collective, numel, dist.get_rank(group), n, group=group)
+    x, buf, r = torch.ones(numel), torch.empty(numel), dist.get_rank(group)  # CPU on purpose: the shared profile is gloo's
+    peer = lambda k: dist.get_global_rank(group, k % n)  # each rank sends to the next, receives from the previous
     ops = lambda: [dist.P2POp(dist.isend, x, peer(r + 1), group), dist.P2POp(dist.irecv, buf, peer(r - 1), group)]
     return lambda: [q.wait() for q in dist.batch_isend_irecv(ops())]
 

@@ -337,19 +337,25 @@ def test_make_accelerator_runs_the_start_line(monkeypatch):
     assert calls == ["held"]
 
 
-def _uneven():
-    "Rank 1 returns a second after rank 0: rank 0 must not leave the group (and its connections) first."
+def _uneven(out_dir):
+    "Rank 1 returns a second after rank 0; each records when it returned and when it left the process group."
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    if dist.get_rank() == 1: time.sleep(1)
+    rank, destroy = dist.get_rank(), dist.destroy_process_group
+    def leave(*args, **kwargs):  # what launch's _worker calls once fn has returned
+        Path(out_dir, f"left{rank}").write_text(str(time.time()))
+        return destroy(*args, **kwargs)
+    dist.destroy_process_group = leave  # in this forked process only
+    if rank == 1: time.sleep(1)
+    Path(out_dir, f"returned{rank}").write_text(str(time.time()))
     return "done"
 
 
-def test_ranks_leave_together_at_a_finish_line():
+def test_ranks_leave_together_at_a_finish_line(tmp_path):
     "Each launched process waits at a finish line (files, no collective) once `fn` returns; the line is removed."
-    t0 = time.monotonic()
-    launch(_uneven, num_processes=2, timeout=60)
-    assert time.monotonic() - t0 >= 1
+    launch(_uneven, (tmp_path,), num_processes=2, timeout=60)
+    when = lambda name: float((tmp_path / name).read_text())
+    assert when("left0") >= when("returned1")  # rank 0 left the group only after rank 1's fn had returned
     assert not list(Path(tempfile.gettempdir()).glob(f"distcourse-finish-{os.getpid()}-*"))
     assert not list(Path(tempfile.gettempdir()).glob(f"distcourse-start-{os.getpid()}-*"))
 
