@@ -233,31 +233,30 @@ def _gather(obj) -> list:
     dist.gather_object(obj, out, dst=0)
     return out
 
-def _report(api, loss, grads, events, want, pp) -> dict:
-    "Rank 0: one setting's loss, its gradients' largest distance from one process's `want`, its timeline."
-    got = {}
-    for per_rank in grads:  # the lm_head copy is compared with the tied matrix's gradient
-        got.update({"transformer.wte.weight" if n == "lm_head.weight" else n: g for n, g in per_rank.items()})
-    norm_got, norm_want = (sum(g.pow(2).sum() for g in d.values()).sqrt().item() for d in (got, want))
-    out = {"loss": loss.item(), "grad_diff": max((g - want[n]).abs().max().item() for n, g in got.items()),
-           "norm_diff": abs(norm_got - norm_want) / norm_want,  # relative, before clipping; tied: once
-           "missing": sorted(set(want) - set(got)), "grads": got}
+def _report(api, losses, grads, events, want, pp, hand=None) -> dict:  # hand: the hand-written step's grads
+    "Rank 0: every pipeline's loss and each gradient tensor's distance from one process's `want`."
+    dp, wte, head = len(grads) // pp, "transformer.wte.weight", "lm_head.weight"
+    norm_want, pipes = sum(g.pow(2).sum() for g in want.values()).sqrt().item(), []
+    for d in range(dp):  # pipeline d: ranks d, d + dp… (stage order); got: (name, one process's grad, its own)
+        got = [(n, want[wte if n == head else n], g) for per_rank in grads[d::dp] for n, g in per_rank.items()]
+        tied = [g for n, _, g in got if n in (wte, head)]  # the first stage's wte, the last stage's lm_head
+        norm = sum(g.pow(2).sum() for n, _, g in got if n != head).sqrt().item()  # the tied matrix once
+        pipes.append({"loss": losses[d], "missing": sorted(set(want) - {n for n, *_ in got}),
+                      "grad_rel": max(((g - r).norm() / r.norm()).item() for _, r, g in got),
+                      "grad_diff": max((g - r).abs().max().item() for _, r, g in got),
+                      "tied_diff": ((tied[0] - tied[-1]).norm() / want[wte].norm()).item(),
+                      "norm_diff": abs(norm - norm_want) / norm_want})  # relative, before clipping
+    out = {k: max(p[k] for p in pipes) for k in ("grad_rel", "grad_diff", "tied_diff", "norm_diff")}
+    out.update(loss=pipes[0]["loss"], missing=sorted({n for p in pipes for n in p["missing"]}), pipelines=pipes)
+    if hand: out["vs_hand"] = max((g - mine[n]).abs().max().item()  # every rank's tensors
+                                  for got, mine in zip(grads, hand) for n, g in got.items())
     if api == "hand":
-        events = [e for r in events[:: len(events) // pp] for e in r]  # pipeline 0: ranks 0, dp, 2·dp…
+        events = [e for r in events[::dp] for e in r]  # pipeline 0: ranks 0, dp, 2·dp…
         out.update(timeline=events, bubble=bubble_fraction(events, pp),
                    peak=[max(e["in_flight"] for e in events if e["stage"] == s) for s in range(pp)])
     return out
 
 # %% ../nbs/05e_pipeline.ipynb #51ce2ba7
-def _vs_hand(res):
-    "Rank 0: PyTorch's gradients against the hand-written ones, per setting; then drop the gradients."
-    for per_m in (v for k, v in res.items() if k.isdigit()):
-        for schedule, out in per_m.get("torch", {}).items():
-            hand = per_m.get("hand", {}).get(schedule)
-            if hand: out["vs_hand"] = max((g - hand["grads"][n]).abs().max().item()
-                                          for n, g in out["grads"].items())
-        for out in (o for api in per_m.values() for o in api.values()): out.pop("grads")
-
 def _setup(cfg, batch_size, seq_len, seed):
     "(full GPT, x, y, one process's loss and gradients on the full batch): the same on every rank."
     torch.manual_seed(seed)
@@ -283,7 +282,7 @@ def pp_worker(out_dir, pp, micro_batches=(4, 8), schedules=SCHEDULES, apis=("han
     dist.init_process_group("gloo")
     rank, groups = dist.get_rank(), pp_groups(pp)
     full, x, y, ref_loss, want = _setup(cfg, batch_size, seq_len, seed)
-    res = {"pp": pp, "world_size": world, "ref_loss": ref_loss}
+    res, hand = {"pp": pp, "world_size": world, "ref_loss": ref_loss}, {}
     for m, api, schedule in [(m, a, s) for m in micro_batches for a in apis for s in schedules]:
         stage = pipeline_stage(full, rank, pp, world)
         for _ in range(reps):
@@ -292,9 +291,10 @@ def pp_worker(out_dir, pp, micro_batches=(4, 8), schedules=SCHEDULES, apis=("han
             if api == "torch": loss, timeline = torch_pipeline_step(stage, x, y, m, schedule, groups), []
             else: loss, timeline = pipeline_step(stage, split_micro_batches(x, y, m), schedule, groups)
         grads, events = _gather({n: p.grad for n, p in stage.named_parameters()}), _gather(timeline)
-        if rank == 0: res.setdefault(str(m), {}).setdefault(api, {})[schedule] = _report(
-            api, loss, grads, events, want, pp)
-    if rank == 0:
-        _vs_hand(res)
-        Path(out_dir, f"pp{pp}.json").write_text(json.dumps(res))
+        losses = _gather(loss.item())  # every rank's: each pipeline's own
+        if rank == 0:
+            res.setdefault(str(m), {}).setdefault(api, {})[schedule] = _report(
+                api, losses, grads, events, want, pp, hand.get((m, schedule)))  # PyTorch's: vs the hand-written
+            if api == "hand": hand[m, schedule] = grads
+    if rank == 0: Path(out_dir, f"pp{pp}.json").write_text(json.dumps(res))
     dist.barrier()

@@ -284,10 +284,9 @@ def sched_worker(out_dir, pp, micro_batches=4, hand=HAND, torch_names=(), v=2,
                 mbs = split_micro_batches(x, y, micro_batches)
                 loss, timeline = run_schedule(chunks, mbs, name, groups)
         grads = _gather({n: p.grad for st in chunks for n, p in st.named_parameters()})
-        events = _gather(timeline)
+        events, losses = _gather(timeline), _gather(loss.item())
         if rank == 0:
-            out = res[api][name] = _report("torch", loss, grads, events, want, pp)  # no timeline
-            out.pop("grads")
+            out = res[api][name] = _report("torch", losses, grads, events, want, pp)  # no timeline
             flat = [e for ev in events for e in ev]
             if api == "hand": out.update(timeline=flat, bubble=bubble_fraction(flat, pp))
     if rank == 0: Path(out_dir, f"sched{pp}.json").write_text(json.dumps(res))
