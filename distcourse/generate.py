@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_model as load_safetensors
 from transformers.utils import logging as hf_logging
 
-from .checkpoint import MARKER, STATE_FILE, latest_checkpoint
+from .checkpoint import MARKER, STATE_FILE, _complete, latest_checkpoint
 from .data import get_tokenizer
 from .model import build_model
 from .reshard import sharded_weights
@@ -34,12 +35,24 @@ def _saved_task(model_dir) -> str:
     archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
     return next((task for a in archs for end, task in _TASKS if a.endswith(end)), archs[0] if archs else "clm")
 
+def _damaged(weights, e, run) -> ValueError:  # weights: the file that failed to read; run: its output_dir
+    "The refusal of a weights file that cannot be read (truncated, overwritten), naming what to load instead."
+    ckpts = [p for p in _complete(run / "checkpoints") if p != weights.parent]  # complete ones, oldest first
+    if (run / "model/config.json").is_file() and weights.parent != run / "model": instead = f"pass --run {run}"
+    elif ckpts: instead = f"pass --checkpoint {ckpts[-1]}, the newest complete checkpoint"
+    else: instead = "train the run again"
+    why = " ".join(str(e).split())[:200]
+    return ValueError(f"{weights} is damaged: its weights cannot be read ({why}); {instead} "
+                      "(nothing was written: the file is left as it is)")
+
 def _from_model_dir(path) -> tuple:
     "Model and tokenizer saved together with `save_pretrained`."
     _need_causal(_saved_task(path), path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"{path} has a model but no tokenizer; save it next to the model (tok.save_pretrained)")
-    return build_model(str(path), "clm"), get_tokenizer(str(path))
+    try: model = build_model(str(path), "clm")
+    except SafetensorError as e: raise _damaged(path / "model.safetensors", e, path.parent) from None
+    return model, get_tokenizer(str(path))
 
 # %% ../nbs/08a_generation.ipynb #a2fdb9e8
 def _run_config(ckpt) -> dict:
@@ -69,6 +82,7 @@ def _from_checkpoint(ckpt) -> tuple:
     try:
         if (ckpt / "model.safetensors").is_file(): load_safetensors(model, str(ckpt / "model.safetensors"), strict=True)
         else: model.load_state_dict(_sharded_weights(ckpt), strict=True)  # a ZeRO-2/3 run: ShardedState holds them
+    except SafetensorError as e: raise _damaged(ckpt / "model.safetensors", e, ckpt.parent.parent) from None
     except RuntimeError as e:
         why = " ".join(str(e).split())[:300]
         raise ValueError(f"checkpoint {ckpt}: its weights do not fit the {config['model']!r} model its run's "

@@ -81,6 +81,24 @@ def test_bad_inputs(run, tmp_path):
     check_refused(generate("--run", run, *PROMPT, "--top_k", "many"), "argument --top_k: invalid int value")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_damaged_weights_refused(run, tmp_path, damage):
+    "A copy whose model/ or checkpoint weights cannot be read: exit 2, one line naming the file and what to load."
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for weights, instead in [(copy / "model/model.safetensors", f"pass --checkpoint {copy / 'checkpoints/step_6'}"),
+                             (copy / "checkpoints/step_6/model.safetensors", f"pass --run {copy}")]:
+        good = weights.read_bytes()
+        weights.write_bytes(good[:len(good) // 2] if damage == "truncated" else b"\x00garbage" * 100)
+        before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+        where = ["--run", copy] if weights.parent.name == "model" else ["--checkpoint", weights.parent]
+        proc = generate(*where, *PROMPT)
+        check_refused(proc, f"{weights} is damaged: its weights cannot be read")
+        assert instead in proc.stderr, proc.stderr  # what to load instead: the run's other copy of the weights
+        assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before  # nothing written or lost
+        weights.write_bytes(good)
+
+
 def test_incomplete_checkpoint_names_newest_complete(run, tmp_path):
     torn = run / "checkpoints/step_9"
     shutil.copytree(run / "checkpoints/step_3", torn)
