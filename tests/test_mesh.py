@@ -45,6 +45,9 @@ MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 
 # tp2_cp2 saves the same tp<i> pieces, its cp copies once as dp copies: its resume would add a 4-process run.
 # tp2_pp2 names its pieces by stage and tp index (pp<s>tp<i>), which no other layout covers.
 RESUMED = ["dp2_tp2", "cp2", "pp2_cp2", "tp2_pp2"]
+# Every pp layout also keeps its step-20 checkpoint: its pieces hold both stages' copies of the tied matrix.
+SAVED = {*RESUMED, *(name for name in MESHES if "pp" in name)}
+WTE, HEAD = "transformer.wte.weight", "lm_head.weight"  # the tied matrix's two names
 
 
 def train_losses(out, key="loss"):
@@ -53,11 +56,11 @@ def train_losses(out, key="loss"):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process, and the same global batch on every mesh (each with a timeout: a hang fails); the RESUMED
-    layouts save checkpoints at steps 10 and 20."""
+    """One process, and the same global batch on every mesh (each with a timeout: a hang fails; ranks forked: see
+    conftest); the RESUMED layouts save checkpoints at steps 10 and 20, the other pp layouts at step 20."""
     tmp = tmp_path_factory.mktemp("mesh")
     def run(name, world, flags):  # two runs at a time: much of a run is imports and process starts, one core each
-        saves = [] if world == 1 else ["--save_every", "10" if name in RESUMED else "0"]  # ranks forked: see conftest
+        saves = [] if world == 1 else ["--save_every", "10" if name in RESUMED else "20" if name in SAVED else "0"]
         return run_cli([*trainer_cmd(world), *ARGS, *flags, *saves, "--output_dir", str(tmp / name)], timeout=300)
     with ThreadPoolExecutor(2) as pool:
         procs = {name: pool.submit(run, name, *layout) for name, layout in {"one": (1, []), **MESHES}.items()}
@@ -123,9 +126,20 @@ def test_tp_saves_less_for_backward(runs):
     assert saved["tp2_cp2"] < saved["cp2"] and saved["tp2_pp2"] < saved["pp2"]
 
 
+def tied_copies(ckpt) -> dict:
+    "{(piece, name): tensor}: every piece's copy of the tied matrix in a checkpoint's dcp pieces, read as saved."
+    meta = dcp.FileSystemReader(str(ckpt / "sharded")).read_metadata().state_dict_metadata
+    keys = [k for k in meta if k.endswith((f".model.{WTE}", f".model.{HEAD}"))]  # custom_0.<piece>.model.<name>
+    copies = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    dcp.load(copies, checkpoint_id=ckpt / "sharded", no_dist=True)  # one reader, no process group
+    return {(k.split(".")[1], k.split(".model.")[1]): t for k, t in copies.items()}
+
+
 @pytest.mark.parametrize("name", list(MESHES))
 def test_model_saved_whole(runs, name):
-    "model/ of a mesh run loads with from_pretrained and holds the weights one process trained."
+    """model/ of a mesh run loads with from_pretrained and holds the weights one process trained; the copies of the
+    tied matrix that the run's ranks held (pp: wte on the first stage, lm_head on the last; tp: one per rank) are
+    equal to the bit at step 20, in the checkpoint's pieces (from_pretrained re-ties model/'s two names)."""
     want = AutoModelForCausalLM.from_pretrained(runs / "one/model").state_dict()
     got = AutoModelForCausalLM.from_pretrained(runs / name / "model").state_dict()
     assert got.keys() == want.keys()
@@ -133,7 +147,12 @@ def test_model_saved_whole(runs, name):
     # ignores a shift of every score), so AdamW turns float noise there into lr-sized steps, in either run.
     diff = sum((got[k] - w).pow(2).sum() for k, w in want.items()).sqrt()
     assert diff / sum(w.pow(2).sum() for w in want.values()).sqrt() <= 1e-4
-    assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])  # still tied
+    if name not in SAVED: return
+    copies = tied_copies(runs / name / "checkpoints/step_20")
+    held = {(piece[:3], n) for piece, n in copies} if "pp" in name else {piece for piece, _ in copies}
+    assert held == ({("pp0", WTE), ("pp1", HEAD)} if "pp" in name else {"tp0", "tp1"} if "tp" in name
+                    else {"whole"}), sorted(copies)  # cp and dp copies are saved once
+    for k, t in copies.items(): assert torch.equal(t, got[WTE]), (k, (t - got[WTE]).abs().max())
 
 
 @pytest.mark.parametrize("name", RESUMED)

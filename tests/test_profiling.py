@@ -55,9 +55,15 @@ def test_reader_exact(tmp_path):
     # step 2: communication 120-140, compute until 130: exposed 130-140
     assert step_times(t) == [{"step": 100, "compute": 63, "comm": 45, "exposed": 35},
                              {"step": 50, "compute": 30, "comm": 20, "exposed": 10}]
-    assert exposed_summary(t, t) == exposed_summary(t)  # two traces of the same steps: the same shares
     s = exposed_summary(t)
     assert s["exposed_fraction"] == pytest.approx(45 / 65) and s["step_s"] == pytest.approx(0.075)
+    # another rank's trace, one step: 40 ms, compute 0-10, communication 10-40 (30 ms), all of it exposed
+    u = read_trace(write(tmp_path / "u.json", [X(STEP, 7, 0, 40, "user_annotation"), X("aten::mm", 7, 0, 10),
+                                               X("gloo:all_reduce", 8, 10, 40, "user_annotation")]))
+    # every step of both traces pooled: (35 + 10 + 30) ms of (45 + 20 + 30) ms exposed, not the mean of the two
+    # traces' shares (0.85) nor the first trace's alone; the medians over the 3 steps (100, 50, 40 ms)
+    assert exposed_summary(t, u) == pytest.approx({"exposed_fraction": 75 / 95, "step_s": 0.050, "comm_s": 0.030,
+                                                   "exposed_s": 0.030})
 
 
 def test_predicted_exposed():
