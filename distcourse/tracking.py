@@ -121,12 +121,15 @@ def datasheet_gpu(name) -> str | None:  # a device name, e.g. "NVIDIA H100 PCIe"
     "The `DATASHEET_FLOPS` card that `name` (`torch.cuda.get_device_name`) is; None for a device not listed."
     return next((card for pattern, card in _CARDS if re.search(pattern, name, re.IGNORECASE)), None)
 
-def peak_flops(accelerator, n=1024, tries=10) -> dict:
+def peak_flops(accelerator, n=1024, tries=10,
+               budget_s=1.0) -> dict:  # stop trying after this long (at least 2 tries)
     "This process's peak: the datasheet's for a listed GPU, and the best `torch.mm` rate in the run's precision."
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     a, cuda = torch.ones(n, n, dtype=dtype, device=accelerator.device), accelerator.device.type == "cuda"
-    best = float("inf")
-    for _ in range(tries + 1):  # the best rate seen: other programs' bursts only ever slow a try down
+    best, start = float("inf"), time.perf_counter()
+    for i in range(tries + 1):  # the best rate seen: other programs' bursts only ever slow a try down
+        # A CPU without native bf16 (AVX2 only) takes ~4 s a try in bf16: 11 tries would be 44 s of every run
+        if i >= 2 and time.perf_counter() - start > budget_s: break
         if cuda: torch.cuda.synchronize()
         t0 = time.perf_counter()
         torch.mm(a, a)
