@@ -50,7 +50,7 @@ def test_gradients_by_hand_and_ddp_equal_one_process(task, tmp_path):
     assert rel_diff(hand[0], hand[1]) == 0 and rel_diff(ddp[0], ddp[1]) == 0  # identical on the two ranks
     for got in (hand[0], ddp[0]):
         assert got.keys() == ref.keys()
-        assert rel_diff(ref, got) < 1e-6
+        assert grads_diff(ref, got) < 1e-5  # each tensor against its own norm
         assert all(torch.allclose(ref[k], got[k], rtol=1e-4, atol=1e-8) for k in ref)
 
 
