@@ -1,0 +1,142 @@
+"""Every path of the trainer proved at the gradient, from its command line: each parallel layout against one process
+on the same global batch, on what a wrong reduction would change. Per step: the loss and the gradient norm before
+clipping (AdamW and clipping hide a gradient wrong by a constant factor from the losses); step 1: every parameter's
+full gradient, each tensor against its own norm (a wrong LayerNorm gain hides under 1e-5 of the whole gradient).
+
+The global batch is 4 sequences x 4 micro-batches of 32 tokens in every layout (a 4-block `tiny`: PyTorch's looped
+and V schedules need 2 x pp chunks). The fast tier runs one launch per parallelism; the full tier adds every schedule,
+4-process layouts and mixed precision. A table of what each path measured is printed after the module."""
+import json
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import pytest
+
+from conftest import ROOT, run_cli, trainer_cmd, worst_rel, worst_tensor
+
+TIMEOUT = 240  # seconds per launch: a hang fails
+ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--n_layer", "4", "--max_steps", "3", "--log_every", "1",
+        "--eval_every", "0", "--seq_len", "32", "--max_examples", "300", "--tracker", "none", "--grads_at", "1"]
+WHOLE, HALF = ["--batch_size", "4", "--grad_accum", "4"], ["--batch_size", "2", "--grad_accum", "4"]
+MOE = ["--model", "tiny-moe", "--n_layer", "0"]  # its preset depth (2 blocks)
+FP32, BF16 = ["--mixed_precision", "no"], ["--mixed_precision", "bf16"]
+# Measured 2026-11-28 on 2 CPU cores, fp32: losses within 2e-7, norms within 2e-7 relative, every tensor of step 1
+# within 2e-6 of its own norm (the worst: a LayerNorm bias, summed in another order).
+LOSS_TOL = NORM_TOL = 1e-5
+GRAD_TOL = 1e-5
+
+# name -> (processes, flags, the one-process reference it is compared with, tier)
+PATHS = {
+    "dp2": (2, HALF, "one", "fast"),
+    "zero1": (2, [*HALF, "--zero_stage", "1"], "one", "fast"),
+    "zero2": (2, [*HALF, "--zero_stage", "2"], "one", "fast"),
+    "zero3": (2, [*HALF, "--zero_stage", "3"], "one", "fast"),
+    "tp2": (2, [*WHOLE, "--tp", "2"], "one", "fast"),
+    "pp2 1f1b": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "1f1b"], "one", "fast"),
+    "pp2 interleaved": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "interleaved"], "one", "fast"),
+    "cp2 ring": (2, [*WHOLE, "--cp", "2", "--cp_impl", "ring"], "one", "fast"),
+    "cp2 ulysses": (2, [*WHOLE, "--cp", "2", "--cp_impl", "ulysses"], "one", "fast"),
+    "ep2": (2, [*MOE, *HALF, "--ep", "2"], "one moe", "fast"),
+    "ac": (1, [*WHOLE, "--activation_checkpointing", "true"], "one", "fast"),
+    "dp2 ac": (2, [*HALF, "--activation_checkpointing", "true"], "one", "full"),
+    "pp2 gpipe": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "gpipe"], "one", "full"),
+    "pp2 zb": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zb"], "one", "full"),
+    "pp2 zbv": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),
+    "pp2 dualpipev": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "dualpipev"], "one", "full"),
+    "dp2 pp2": (4, [*HALF, "--pp", "2"], "one", "full"),  # the pp x dp loss scale is not 1
+    "dp2 tp2": (4, [*HALF, "--tp", "2"], "one", "full"),
+    "tp2 cp2": (4, [*WHOLE, "--tp", "2", "--cp", "2"], "one", "full"),
+}
+REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE])}
+# Mixed precision, by FlashAttention's rule: a parallel bf16 run's error against the fp32 one-process run is at most
+# twice the one-process bf16 run's error against it (bf16 rounds; the question is whether sharding rounds worse).
+# Smaller (2 steps, 4 sequences, one micro-batch): a CPU without native bf16 (AVX2 only) multiplies bf16 matrices
+# some 60x slower than fp32 ones (a 1024 x 1024 matmul: 4 s against 0.07 s, measured 2026-11-28 on an AMD EPYC).
+SMALL = ["--max_steps", "2", "--grad_accum", "1"]
+BF16_PATHS = {"bf16 zero2": (2, [*SMALL, "--batch_size", "2", "--zero_stage", "2", *BF16]),
+              "bf16 zero3": (2, [*SMALL, "--batch_size", "2", "--zero_stage", "3", *BF16])}
+BF16_REFERENCES = {"fp32": (1, [*SMALL, "--batch_size", "4", *FP32]), "bf16": (1, [*SMALL, "--batch_size", "4", *BF16])}
+ROWS = []  # (path, processes, losses, norms, worst tensor (name)): printed after the module
+
+
+def records(out, key) -> list:
+    return [r[key] for r in map(json.loads, open(out / "metrics.jsonl")) if "split" not in r]
+
+
+def train(tmp, name, world, flags):
+    "The trainer on `world` processes into tmp/<name>; None when it ran, else why not."
+    out = tmp / name.replace(" ", "_")
+    try: proc = run_cli([*trainer_cmd(world, TIMEOUT), *ARGS, *flags, "--output_dir", str(out)], timeout=TIMEOUT + 30)
+    except Exception as e: return f"{type(e).__name__}: {e}"
+    return None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+
+
+def requested(request, test) -> list:
+    "The `name` parameters of this module's selected items of `test` (the fast tier selects fewer)."
+    return [i.callspec.params["name"] for i in request.session.items
+            if i.module is request.module and i.originalname == test]
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    "Every selected path and the references they need, two launches at a time: {name: output dir or failure}."
+    tmp = tmp_path_factory.mktemp("paths")
+    paths = {n: PATHS[n] for n in requested(request, "test_path_equals_one_process")}
+    jobs = {ref: REFERENCES[ref] for ref in {p[2] for p in paths.values()}}
+    jobs |= {n: p[:2] for n, p in paths.items()}
+    if requested(request, "test_bf16_path_by_flashattention_rule"):
+        jobs |= BF16_REFERENCES | {n: BF16_PATHS[n] for n in requested(request, "test_bf16_path_by_flashattention_rule")}
+    with ThreadPoolExecutor(2) as pool:  # a launch is mostly imports and process starts, one core each
+        futures = {n: pool.submit(train, tmp, n, world, flags) for n, (world, flags) in jobs.items()}
+        failed = {n: f.result() for n, f in futures.items()}
+    return {n: failed[n] or tmp / n.replace(" ", "_") for n in jobs}
+
+
+def output(runs, name):
+    got = runs[name]
+    assert not isinstance(got, str), f"{name}: the run failed: {got}"
+    return got
+
+
+def measure(runs, name, ref) -> tuple:
+    "(worst relative loss, worst relative norm, (worst tensor's relative error, its name)) of `name` vs `ref`."
+    want, got = output(runs, ref), output(runs, name)
+    losses = worst_rel(records(want, "loss"), records(got, "loss"))
+    norms = worst_rel(records(want, "grad_norm"), records(got, "grad_norm"))
+    return losses, norms, worst_tensor(want / "grads_step1.pt", got / "grads_step1.pt")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def table(request):
+    "After the module: what each path measured against its reference."
+    yield
+    capture = request.config.pluginmanager.get_plugin("capturemanager")  # printed even under -q
+    with capture.global_and_fixture_disabled() if capture else nullcontext():
+        print("\n\npath (processes): worst relative loss, pre-clip norm (3 steps), worst tensor of step 1 (own norm)")
+        for row in ROWS: print("{:16} ({}): {:.1e}, {:.1e}, {:.1e} ({})".format(*row))
+
+
+def tier(name, spec):
+    return pytest.param(name, id=name, marks=[pytest.mark.fast] if spec[-1] == "fast" else [])
+
+
+@pytest.mark.parametrize("name", [tier(n, p) for n, p in PATHS.items()])
+def test_path_equals_one_process(runs, name):
+    "Every step's loss and pre-clip norm, and each tensor of step 1's full gradient, against one process."
+    world, _, ref, _ = PATHS[name]
+    losses, norms, (grads, where) = measure(runs, name, ref)
+    ROWS.append((name, world, losses, norms, grads, where))
+    assert len(records(output(runs, name), "loss")) == 3  # every step logged
+    assert losses <= LOSS_TOL and norms <= NORM_TOL and grads <= GRAD_TOL, (name, losses, norms, grads, where)
+
+
+@pytest.mark.parametrize("name", list(BF16_PATHS))
+def test_bf16_path_by_flashattention_rule(runs, name):
+    "A bf16 parallel run is no further from fp32 than twice one bf16 process is, on norms and on every tensor."
+    _, base_norms, (base_grads, _) = measure(runs, "bf16", "fp32")
+    _, norms, (grads, where) = measure(runs, name, "fp32")
+    ROWS.append((name, BF16_PATHS[name][0], float("nan"), norms, grads, where))
+    print(f"{name}: vs fp32 norms {norms:.1e} (one bf16 process {base_norms:.1e}), worst tensor {grads:.1e} "
+          f"({where}; one bf16 process {base_grads:.1e})")
+    assert base_grads > 1e-4, "the bf16 reference ran in fp32: the rule would compare nothing"
+    assert norms <= 2 * base_norms and grads <= 2 * base_grads, (name, norms, base_norms, grads, base_grads)
