@@ -6,6 +6,8 @@ import torch.distributed as dist
 
 from distcourse.comm import TIMED, bus_factor, count_collectives, measure_collectives, ring_bytes_sent
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 
 def test_bus_factors_are_nccl_tests():
     assert bus_factor("all_reduce", 4) == 1.5 and bus_factor("all_reduce", 2) == 1.0

@@ -23,6 +23,7 @@ def launch_worker(tmp_path, worker, n, **kw):
 
 
 # ------------------------------------------------------------------ layout (no processes)
+@pytest.mark.fast
 def test_zigzag_layout():
     test_cases = [(16, 2), (32, 4), (64, 8)]
     for T, cp in test_cases:
@@ -38,6 +39,7 @@ def test_zigzag_layout():
         assert naive == list(range(1, cp + 1)) and max(naive) / min(naive) == cp
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("args, message", [((36, 4, 4), "seq_len=36 is not divisible by 2 x cp = 8"),
                                            ((6, 4, 4), "multiple of 8, e.g. 8"),
                                            ((64, 3, 4), "cp=3 does not divide the world size 4"),
@@ -46,6 +48,7 @@ def test_check_cp(args, message):
     with pytest.raises(ValueError, match=message): check_cp(*args)
 
 
+@pytest.mark.fast
 def test_workers_refuse_before_the_process_group(tmp_path, monkeypatch):
     "Bad degrees raise in the worker itself, before init_process_group (which would wait for peers)."
     import torch.distributed as dist

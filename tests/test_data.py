@@ -11,6 +11,8 @@ from torch.utils.data import BatchSampler
 from distcourse.data import get_tokenizer, load_corpus
 from distcourse.loaders import EpochSampler, get_collator, get_dataloaders, prepare_cls, split_dataset
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 

@@ -64,11 +64,13 @@ def test_plain_gather_gives_wrong_counts(results):
     assert summarize(two["plain"], "clm")["samples"] > two["val_size"]
 
 
+@pytest.mark.fast
 def test_accuracy_by_hand():
     preds, refs = [0, 0, 1, 1, 2, 1], [0, 1, 1, 2, 2, 3]
     assert Accuracy().compute(predictions=preds, references=refs)["accuracy"] == 3 / 6
 
 
+@pytest.mark.fast
 def test_macro_f1_by_hand_with_a_class_never_predicted():
     preds, refs = [0, 0, 1, 1, 2, 1], [0, 1, 1, 2, 2, 3]  # class 3 is in the references only
     f1 = F1().compute(predictions=preds, references=refs)["f1"]
@@ -83,12 +85,14 @@ def test_macro_f1_by_hand_with_a_class_never_predicted():
         F1().compute(predictions=preds, references=refs, average="micro")
 
 
+@pytest.mark.fast
 def test_perplexity_is_token_weighted():
     out = Perplexity().compute(loss=[2.0, 6.0], count=[1, 4])
     assert out["loss"] == pytest.approx(8 / 5) and out["perplexity"] == pytest.approx(math.exp(8 / 5))
     assert out["perplexity"] != pytest.approx((math.exp(2.0) + math.exp(1.5)) / 2)
 
 
+@pytest.mark.fast
 def test_confusion_matrix():
     cm = confusion_matrix([0, 0, 1, 2], [0, 1, 1, 2], 3)
     assert cm.tolist() == [[1, 0, 0], [1, 1, 0], [0, 0, 1]]

@@ -91,6 +91,7 @@ def test_ep2_resume_is_exact(runs, tmp_path):
     assert json.loads((again / "run.json").read_text())["resumed_from"]["step"] == 4
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("world, flags, says", [
     (2, ["--ep", "2"], "expert parallelism needs a model with experts; use --model tiny-moe or small-moe"),
     (2, ["--model", "tiny-moe", "--ep", "3"], "do not split over 3 ranks; use --ep one of [1, 2]"),

@@ -17,6 +17,7 @@ CFG = GPTConfig(vocab_size=64, n_positions=32, n_layer=2, n_head=2, n_embd=32)
 IDS = torch.randint(0, 64, (3, 17), generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.fast
 def test_one_expert_top1_is_the_dense_gpt():
     "Same seed: outputs, loss and every gradient equal the dense GPT's exactly (the router's gradient is 0)."
     for capacity in (None, 1.0):  # one expert, k=1: capacity 1.0 holds every token, nothing dropped
@@ -34,6 +35,7 @@ def test_one_expert_top1_is_the_dense_gpt():
             assert torch.equal(p.grad, want), name
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("E, k, every, shared", [(4, 2, 1, False), (8, 1, 2, True)])
 def test_param_and_flop_formulas(E, k, every, shared):
     "Total = the model's count; active = what one token's backward touches; FLOPs = FlopCounterMode's matmuls."
@@ -53,6 +55,7 @@ def test_param_and_flop_formulas(E, k, every, shared):
     assert moe_flops_per_token(CFG, E, k, T, every, shared) == 6 * (f["active"] - 32 * 32) + 12 * 2 * 32 * T
 
 
+@pytest.mark.fast
 def test_presets():
     for name in MOE_PRESETS:
         p = dict(MOE_PRESETS[name])
@@ -61,6 +64,7 @@ def test_presets():
     with pytest.raises(ValueError, match="choose one of"): build_moe("tiny_moe", 64)
 
 
+@pytest.mark.fast
 def test_capacity_and_aux():
     probs = torch.full((8, 4), 0.01)
     probs[:, 0] = 0.97  # every token's first choice: expert 0
@@ -86,11 +90,13 @@ def test_ep_equal_to_one_process_and_bytes(tmp_path):
         assert dropped > 0  # capacity 1.0 drops, and the equality holds with drops
 
 
+@pytest.mark.fast
 def test_bytes_formula_by_hand():
     rows = [[3, 5], [7, 2]]  # rank 0 sends 5 rows to rank 1 and gets 7 from it, returned after the experts
     assert ep_bytes(rows, 0, 2, 16) == (5 + 7) * 16 * 4 + 1 * 2 * 8
 
 
+@pytest.mark.fast
 def test_worker_refuses_before_the_process_group(tmp_path, monkeypatch):
     import torch.distributed as dist
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -98,6 +104,7 @@ def test_worker_refuses_before_the_process_group(tmp_path, monkeypatch):
     assert not dist.is_initialized()
 
 
+@pytest.mark.fast
 def test_exercise_checks_refuse_wrong_answers():
     "The lesson's exercise checks, run from the notebook: right answers pass, plausible wrong ones fail."
     nb = json.loads((ROOT / "nbs" / "05j_experts.ipynb").read_text())

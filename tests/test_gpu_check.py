@@ -22,6 +22,7 @@ def fake_result(scale=1.0, loss_shift=0.0) -> dict:
     return {"records": recs, "grads": grads}
 
 
+@pytest.mark.fast
 def test_compare_rejects_a_gradient_off_by_a_constant():
     "Summing instead of averaging over 2 ranks doubles every gradient, and leaves the loss as it was."
     assert gc.compare(fake_result(), fake_result(), 1e-5)["verdict"] == "equal"
@@ -32,6 +33,7 @@ def test_compare_rejects_a_gradient_off_by_a_constant():
     assert gc.compare(fake_result(), fewer, 1e-5)["verdict"].startswith("DIFFER: steps")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_layout_trains_the_same_global_batch(world):
     for name, flags in gc.layouts(world).items():
@@ -41,6 +43,7 @@ def test_every_layout_trains_the_same_global_batch(world):
         assert batch * accum * dp == gc.GLOBAL and accum >= flags.get("pp", 1), (world, name, args)
 
 
+@pytest.mark.fast
 def test_what_the_trainer_refuses_is_listed_not_run(tmp_path):
     "tp 8 splits the `small` model's 4 heads unevenly: the trainer's own validate says so."
     why = gc.refusal(8, gc.argv(8, {"tp": 8}, "small", tmp_path / "tp8"))

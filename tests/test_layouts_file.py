@@ -4,7 +4,11 @@ its seconds per step and a peak per rank (or why its schedule does not measure o
 import json
 import math
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
 
 DATA = json.loads((ROOT / "benchmarks" / "layouts.json").read_text())
 LAYOUT = {"dp", "tp", "pp", "cp", "cp_impl", "zero_stage", "pp_schedule", "grad_accum", "batch_size",

@@ -7,6 +7,8 @@ import pytest
 
 from distcourse.machine import PROFILES, TIMED_GROUPS, collective_s, load_profile, measure_groups
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 
 @pytest.fixture(scope="module")
 def groups():

@@ -7,6 +7,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 LESSONS = sorted((ROOT / "nbs").glob("*.ipynb"))
 # what the label above a lesson's numbers says: a date, the machine, and the command that runs that lesson
 LABEL = r"\*Measured 20\d\d-\d\d-\d\d.* on (\d+) cores of .*by `jupyter execute nbs/{name}`"

@@ -273,6 +273,7 @@ def test_4d_meshes_equal_one_process(tmp_path):
                                    "cp_impl": kw.get("cp_impl", "ring")}
 
 
+@pytest.mark.fast
 def test_layout_tp_innermost_pp_outermost():
     "The field's rank order (Megatron-Core's tp-cp-ep-dp-pp, torchtitan's pp, dp, cp, tp): tp fastest, pp slowest."
     lay = mesh_layout(8, tp=2, pp=2)  # dp 2
@@ -303,6 +304,7 @@ BAD = [(["--tp", "3"], 2, "n_head=2 is not divisible by tp=3"),
        (["--pp", "2", "--grad_accum", "2", "--pp_schedule", "zigzag"], 2, "choose one of gpipe, 1f1b, interleaved")]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("flags,world,msg", BAD)
 def test_bad_degrees_refused_before_any_process_group(flags, world, msg, monkeypatch, tmp_path):
     "Parsing alone refuses them (no process group exists here), naming the numbers and the fix."
@@ -313,6 +315,7 @@ def test_bad_degrees_refused_before_any_process_group(flags, world, msg, monkeyp
     print(e.value)
 
 
+@pytest.mark.fast
 def test_cli_refuses_with_exit_2(tmp_path, capsys, monkeypatch):
     "The command line's entry point says what is wrong on stderr and exits 2, before any process work."
     monkeypatch.setenv("WORLD_SIZE", "2")

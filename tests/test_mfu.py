@@ -10,6 +10,8 @@ from distcourse.loop import count_targets
 from distcourse.model import build_model
 from distcourse.tracking import DATASHEET_FLOPS, Meter, datasheet_gpu
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 CARDS = {"NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H100 PCIe": "H100 PCIe", "NVIDIA H100 NVL": "H100 NVL",
          "NVIDIA H200": "H200 SXM", "NVIDIA H200 NVL": "H200 NVL", "NVIDIA A100-SXM4-80GB": "A100 SXM4 80GB",
          "NVIDIA A100-SXM4-40GB": "A100 SXM4 40GB", "NVIDIA A100-PCIE-40GB": "A100 PCIe 40GB",

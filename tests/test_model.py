@@ -12,6 +12,8 @@ from distcourse.loaders import get_dataloaders
 from distcourse.gpt import GPT, GPTConfig
 from distcourse.model import PRESETS, build_model, check_compat, num_params
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 PAIRS = [("clm", "gpt2"), ("mlm", "bert"), ("cls", "bert"), ("cls", "gpt2")]  # every (task, arch) there is
 
 

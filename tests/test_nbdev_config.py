@@ -4,7 +4,11 @@ import json
 import re
 import tomllib
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
 
 
 def settings() -> dict:

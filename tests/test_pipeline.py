@@ -113,6 +113,7 @@ def test_two_pipelines(tmp_path):
           f"tied copies {worst(outs, 'tied_diff'):.1e}, losses {[p['loss'] for p in outs[0]['pipelines']]}")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4), (8, 32), (3, 5)])
 def test_replay_bubble(p, m):
     for schedule in SCHEDULES:
@@ -124,6 +125,7 @@ def test_replay_bubble(p, m):
         assert peak_in_flight(schedule_actions("1f1b", s, p, m)) == min(p - s, m)
 
 
+@pytest.mark.fast
 def test_stages_compose():
     "In one process the stages, called in turn, are the model; names are GPT-2's."
     torch.manual_seed(0)
@@ -141,6 +143,7 @@ def test_stages_compose():
     assert one.lm_head.weight is one.transformer.wte.weight  # one stage: tied as in GPT
 
 
+@pytest.mark.fast
 def test_stage_is_outermost():
     "Stages are the outermost axis: with 8 ranks and pp 2, ranks 0-3 run stage 0 and 4-7 stage 1."
     torch.manual_seed(0)
@@ -149,6 +152,7 @@ def test_stage_is_outermost():
     assert [pipeline_stage(gpt, r, 4).stage for r in range(4)] == [0, 1, 2, 3]  # one pipeline
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("args, message", [
     ((4, 3), "n_layer=4 does not divide into pp=3"),
     ((2, 4), "n_layer=2 is fewer than pp=4"),
@@ -161,11 +165,13 @@ def test_check_pp(args, message):
     with pytest.raises(ValueError, match=re.escape(message)): check_pp(*args)
 
 
+@pytest.mark.fast
 def test_check_pp_accepts():
     check_pp(4, 2, 4, "1f1b", 4, 8)
     check_pp(4, 4, 2, "gpipe", 4, 8)  # GPipe runs with fewer micro-batches than stages
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("env, kw, message", [
     ("3", dict(pp=2), "does not divide the world size 3"),
     ("4", dict(pp=4, micro_batches=[2]), "micro_batches=2 < pp=4"),
@@ -177,6 +183,7 @@ def test_worker_refuses_before_process_group(tmp_path, monkeypatch, env, kw, mes
     assert not dist.is_initialized()
 
 
+@pytest.mark.fast
 def test_other_errors():
     gpt = GPT(GPTConfig(**TINY))
     with pytest.raises(ValueError, match="choose a stage in 0..1"): GPTStage(gpt, 2, 2)

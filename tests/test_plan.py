@@ -18,6 +18,8 @@ from distcourse.memory import zero_bytes
 from distcourse.model import num_params
 from distcourse.recompute import activation_terms
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 SMALL = plan.shape_of("small", n_layer=4)
 
 

@@ -10,6 +10,7 @@ from distcourse.model import build_model
 from distcourse.precision_choice import activation_bytes, op_dtypes
 
 
+@pytest.mark.fast
 def test_bf16_saves_activation_memory():
     torch.manual_seed(0)
     model = build_model("tiny", "clm", vocab_size=8192)
@@ -21,6 +22,7 @@ def test_bf16_saves_activation_memory():
     assert logits < bf16 < fp32, (fp32, bf16)
 
 
+@pytest.mark.fast
 def test_op_dtypes_sees_autocast():
     lin = torch.nn.Linear(8, 8)
     with op_dtypes() as counts, torch.autocast("cpu", dtype=torch.bfloat16):
@@ -30,6 +32,7 @@ def test_op_dtypes_sees_autocast():
     assert counts == {("linear", "bf16"): 1} and plain == {("linear", "fp32"): 1}
 
 
+@pytest.mark.fast
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is allowed where there is a CUDA GPU")
 def test_fp16_without_gpu_is_refused(tmp_path, capsys):
     from distcourse.train import main

@@ -26,12 +26,14 @@ def write(path, events):
     return path
 
 
+@pytest.mark.fast
 def test_intervals():
     assert union([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
     assert minus([(0, 10)], [(2, 3), (5, 12)]) == [(0, 2), (3, 5)]
     assert total([(0, 2), (1, 3)]) == 3
 
 
+@pytest.mark.fast
 def test_reader_exact(tmp_path):
     "Two steps: a collective call inside an autograd op, two gloo threads overlapping, a gap with no work."
     events = [X(STEP, 7, 0, 100, "user_annotation"), X(STEP, 7, 100, 150, "user_annotation"),
@@ -66,6 +68,7 @@ def test_reader_exact(tmp_path):
                                                    "exposed_s": 0.030})
 
 
+@pytest.mark.fast
 def test_predicted_exposed():
     "DDP's schedule played: buckets ready as backward goes, all-reduced in turn on one link."
     rows = [{"collective": "all_reduce", "bytes": 1, "seconds": 0.010}]  # 10 ms per byte: 1 B, 10 ms
@@ -76,6 +79,7 @@ def test_predicted_exposed():
     assert predicted_exposed_s([1] * 4, slow, 0.100) == pytest.approx(0.085)
 
 
+@pytest.mark.fast
 def test_reader_needs_step_annotations(tmp_path):
     with pytest.raises(ValueError, match="no 'distcourse:step' annotation"):
         read_trace(write(tmp_path / "t.json", [X("aten::mm", 7, 0, 1)]))
@@ -103,6 +107,7 @@ def test_ddp_no_overlap_on_two_processes(tmp_path):
         for row in step_times(t): assert 0 < row["comm"] and 0 <= row["exposed"] <= row["comm"] <= row["step"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("bad", ["3:2", "0:1", "a:b", "2:4", "2"])
 def test_profile_steps_refused(bad, tmp_path):
     "A bad --profile_steps is refused before any process starts, with the range it must be in."

@@ -12,6 +12,8 @@ from distcourse.recompute import (activation_bytes, activation_terms, checkpoint
                                   korthikanti_bytes, measure_saved_bytes, predicted_activation_bytes,
                                   recompute, saved_tensors)
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 GRAD_TOL = 1e-6  # |Δgrad| with vs without recomputation; measured 0.0 (the same ops on the same inputs)
 
 

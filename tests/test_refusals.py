@@ -14,6 +14,8 @@ from distcourse.context_parallel import seq_positions, zigzag_split, zigzag_unsp
 from distcourse.mesh import Mesh
 from distcourse.sequence_parallel import _reduce_scatter
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 TINY = ["--config", str(ROOT / "configs/tiny.yaml")]
 
 

@@ -31,6 +31,7 @@ def test_lean_ring_equals_one_process_and_keeps_less(tmp_path, p):
     assert sdpa == lean_saved_bytes(1, 4, MEM_T, 16, 1)  # SDPA (CPU flash) keeps the same 5 tensors
 
 
+@pytest.mark.fast
 def test_worker_refuses_before_the_process_group(tmp_path, monkeypatch):
     import torch.distributed as dist
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -39,6 +40,7 @@ def test_worker_refuses_before_the_process_group(tmp_path, monkeypatch):
     assert not dist.is_initialized()
 
 
+@pytest.mark.fast
 def test_tensors_follow_the_inputs_device():
     "One rank on the meta device (shapes, no data): a tensor made on the CPU raises in backward."
     q, k, v = (torch.randn(1, 2, 16, 4, device="meta", requires_grad=True) for _ in range(3))

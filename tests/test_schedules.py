@@ -48,6 +48,7 @@ def test_torch_schedules_equal_to_one_process(res):
     assert_equal_to_one_process(res, "torch", tuple(TORCH))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4), (3, 6), (8, 16)])
 @pytest.mark.parametrize("schedule", HAND)
 def test_schedule_lists(schedule, p, m):
@@ -68,6 +69,7 @@ def test_schedule_lists(schedule, p, m):
     assert bubble_fraction(events, p) == pytest.approx(ratio / (1 + ratio))
 
 
+@pytest.mark.fast
 def test_a_broken_list_is_caught():
     "Rank 0 runs B0 before F1, rank 1 leaves B0 last: each waits for the other, the replay says so."
     order = [actions("1f1b", r, 2, 4) for r in range(2)]
@@ -76,6 +78,7 @@ def test_a_broken_list_is_caught():
     with pytest.raises(RuntimeError, match="deadlock"): replay_actions("1f1b", 2, 4, order=order)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("args, message", [
     (("interleaved", 4, 6), "micro_batches=4"), (("1f1b", 4, 2), "micro_batches=2 < pp=4"),
     (("zb-h2", 2, 4), "choose one of"), (("gpipe", 1, 4), "at least 2 ranks")])
@@ -83,12 +86,14 @@ def test_check_schedule(args, message):
     with pytest.raises(ValueError, match=re.escape(message)): check_schedule(*args)
 
 
+@pytest.mark.fast
 def test_worker_refuses_before_process_group(tmp_path):
     with pytest.raises(ValueError, match="multiple of pp"):
         sched_worker(tmp_path, pp=4, micro_batches=6)
     assert not dist.is_initialized()
 
 
+@pytest.mark.fast
 def test_exercise_checks_refuse_wrong_answers():
     "The lesson's exercise checks, from the notebook: right answers pass, plausible wrong ones fail."
     nb = json.loads((ROOT / "nbs" / "05f_schedules.ipynb").read_text())

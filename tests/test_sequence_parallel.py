@@ -30,7 +30,8 @@ def launch_worker(tmp_path, n, **kw):
     return json.loads((tmp_path / "sp.json").read_text())
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
+# tp 2: sequence parallelism's smallest proof, in the fast tier; tp 4 in the full tier
+@pytest.fixture(scope="module", params=[pytest.param(2, marks=pytest.mark.fast), 4], ids=lambda n: f"tp{n}")
 def res(request, tmp_path_factory):
     return launch_worker(tmp_path_factory.mktemp(f"sp{request.param}"), request.param)
 
@@ -44,6 +45,7 @@ def worst(got, want): return max(abs(a - b) / b for a, b in zip(got, want))
 
 
 # ------------------------------------------------------------------ before any process group; a group of one
+@pytest.mark.fast
 def test_worker_refuses_before_process_group(tmp_path, monkeypatch):
     "A bad degree raises in the worker before it touches torch.distributed (no rendezvous is even set up)."
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -60,6 +62,7 @@ def group_of_one():
     dist.destroy_process_group()
 
 
+@pytest.mark.fast
 def test_group_of_one_is_the_model(group_of_one):
     ref = tiny_gpt()
     idx, targets = random_batches(ref.config)[0]

@@ -8,6 +8,8 @@ import pytest
 
 from conftest import ROOT
 
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
 LESSONS = sorted(p.stem for p in (ROOT / "nbs").glob("[0-9]*.ipynb"))
 MODULES = sorted(p for p in (ROOT / "distcourse").glob("*.py") if not p.name.startswith("_"))
 

@@ -47,6 +47,7 @@ def worst(got, want): return max(abs(a - b) / b for a, b in zip(got, want))
 CFG = GPTConfig(vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=32)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("config, tp, world, message", [
     (CFG, 3, None, "n_head=4 is not divisible by tp=3"),
     (GPTConfig(64, 32, 2, n_head=8, n_embd=3), 8, None, "hidden size 4*n_embd=12 is not divisible by tp=8"),
@@ -57,6 +58,7 @@ def test_check_tp_refuses(config, tp, world, message):
     with pytest.raises(ValueError, match=re.escape(message)): check_tp(config, tp, world)
 
 
+@pytest.mark.fast
 def test_check_tp_names_the_fix():
     with pytest.raises(ValueError, match=re.escape("pick tp in [1, 2, 4]")): check_tp(CFG, 3)
     with pytest.raises(ValueError, match=re.escape("launch a multiple of 4 processes")): check_tp(CFG, 4, 6)
@@ -64,6 +66,7 @@ def test_check_tp_names_the_fix():
     check_tp(GPTConfig(65, 32, 2, 4, 32), 2)  # the vocabulary is replicated: it need not divide
 
 
+@pytest.mark.fast
 def test_worker_refuses_before_process_group(tmp_path, monkeypatch):
     "A bad degree raises in the worker before it touches torch.distributed (no rendezvous is even set up)."
     monkeypatch.setenv("WORLD_SIZE", "3")
@@ -79,6 +82,7 @@ def group_of_one():
     dist.destroy_process_group()
 
 
+@pytest.mark.fast
 def test_assert_sharded_catches_a_whole_linear(group_of_one):
     model = tensor_parallel(tiny_gpt())
     assert_sharded(model, 1)
@@ -89,6 +93,7 @@ def test_assert_sharded_catches_a_whole_linear(group_of_one):
     with pytest.raises(AssertionError, match="block 1 mlp.c_fc is a Linear"): assert_sharded(model, 1)
 
 
+@pytest.mark.fast
 def test_group_of_one_is_the_model(group_of_one):
     ref = tiny_gpt()
     idx, targets = random_batches(ref.config)[0]
@@ -105,6 +110,7 @@ def test_group_of_one_is_the_model(group_of_one):
     assert tp_grad_norm(model) < 0.5 + 1e-5
 
 
+@pytest.mark.fast
 def test_count_comm_has_no_global_state(group_of_one):
     "A log belongs to the model it was opened on, and only inside its block."
     a, b = tensor_parallel(tiny_gpt()), tensor_parallel(tiny_gpt())
@@ -118,6 +124,7 @@ def test_count_comm_has_no_global_state(group_of_one):
     assert len(log_a) == 4 and all(m.comm_log is None for m in a.modules() if hasattr(m, "comm_log"))
 
 
+@pytest.mark.fast
 def test_is_split(group_of_one):
     model = tensor_parallel(tiny_gpt())
     split = {k for k, _ in model.named_parameters() if is_split(model, k)}

@@ -169,6 +169,7 @@ BAD = [
 ]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("argv,flag", BAD, ids=[b[1] for b in BAD])
 def test_bad_inputs(argv, flag, tmp_path, capsys):
     "Each bad input: exit code 2, one line naming the flag, no traceback, nothing written."
@@ -277,6 +278,7 @@ def test_push_failure_loses_nothing(tmp_path):
     assert not (out / "distcourse").exists()  # --tracker none: metrics.jsonl only
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["zero2.yaml", "zero3_offload.yaml"])
 def test_deepspeed_configs_refuse_accumulation(name):
     "Accelerate's DeepSpeed plugin steps at every backward: --grad_accum > 1 is refused with these configs."

@@ -83,6 +83,7 @@ BAD = [(["--n_layer", "3", "--pp_schedule", "zbv"], "zbv holds v=2 chunks per ra
        (["--n_layer", "4", "--pp_schedule", "zigzag"], "choose one of gpipe, 1f1b, interleaved, zb, zbv, dualpipev")]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("flags,msg", BAD)
 def test_schedule_refused_before_launch(flags, msg, monkeypatch, tmp_path):
     "Parsing alone refuses them, naming the numbers and the depths or micro-batches that work."
@@ -94,11 +95,13 @@ def test_schedule_refused_before_launch(flags, msg, monkeypatch, tmp_path):
     print(e.value)
 
 
+@pytest.mark.fast
 def test_n_layer_presets_only(tmp_path):
     with pytest.raises(ConfigError, match="--n_layer 4: only a preset's depth can change"):
         parse_args(["--model", str(tmp_path), "--n_layer", "4", "--output_dir", str(tmp_path / "x")])
 
 
+@pytest.mark.fast
 def test_checkpoint_pieces_in_fingerprint():
     "A checkpoint's pieces follow the schedule's layout: resuming looped chunks as a V (or as stages) is refused."
     from types import SimpleNamespace

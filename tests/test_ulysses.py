@@ -33,6 +33,7 @@ def test_equal_to_one_process_and_bytes(tmp_path):
         assert ring_bytes(B, NH, T, HS, p) / ulysses_bytes(B, NH, T, HS, p) == p / 2
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("args, message", [((6, 4), "n_head=6 does not split into cp=4"),
                                            ((6, 4), "choose a cp that divides n_head (1, 2, 3, 6), or use ring"),
                                            ((32, 16, 8), "n_kv_head=8 does not split into cp=16"),
@@ -41,6 +42,7 @@ def test_check_ulysses_refuses(args, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")): check_ulysses(*args)
 
 
+@pytest.mark.fast
 def test_worker_refuses_before_the_process_group(tmp_path, monkeypatch):
     "cp=3 with 8 heads raises in the worker, before init_process_group (which would wait for peers)."
     import torch.distributed as dist
@@ -51,6 +53,7 @@ def test_worker_refuses_before_the_process_group(tmp_path, monkeypatch):
     assert not dist.is_initialized()
 
 
+@pytest.mark.fast
 def test_exercise_checks_refuse_wrong_answers():
     "The lesson's exercise checks, run from the notebook: right answers pass, plausible wrong ones fail."
     nb = json.loads((ROOT / "nbs" / "05i_ulysses.ipynb").read_text())

@@ -50,6 +50,7 @@ def launch_worker(tmp_path, worker="zero_worker", **kw):
 
 
 # ------------------------------------------------------------------ the memory model, by hand
+@pytest.mark.fast
 def test_zero_bytes_by_hand():
     fp32 = {0: (4000, 4000, 8000), 1: (4000, 4000, 2000), 2: (4000, 1000, 2000), 3: (1000, 1000, 2000)}
     mixed = {0: (2000, 2000, 12000), 1: (2000, 2000, 3000), 2: (2000, 500, 3000), 3: (500, 500, 3000)}
@@ -65,6 +66,7 @@ def test_zero_bytes_by_hand():
     assert zero_bytes(10, 1, 3) == zero_bytes(10, 1, 0)  # one rank: nothing to share
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("args, message", [((10, 2, 4), "choose 0 (DDP), 1, 2 or 3"),
                                            ((10, 0, 1), "at least 1"),
                                            ((10, 2, 1, "bf16"), "choose 'fp32'")])
@@ -72,6 +74,7 @@ def test_zero_bytes_errors(args, message):
     with pytest.raises(ValueError, match=re.escape(message)): zero_bytes(*args)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kind, n, precision, stage, message", [
     ("NO", 1, "no", 5, "choose 0 \\(DDP\\)"),
     ("NO", 1, "no", 1, "launch several"),
