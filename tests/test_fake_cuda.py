@@ -223,7 +223,6 @@ def test_dry_run_in_its_own_interpreter():
     assert f"{len(LAYOUTS) + len(STAGES) + 4} passed" in proc.stdout, proc.stdout[-1000:]
 
 
-@pytest.mark.fast
 @inner
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_mesh_step_keeps_everything_on_the_device(hf, seen, layout):
@@ -254,7 +253,6 @@ def _planted(module, fn, old, new):
     return scope[fn.__name__]
 
 
-@pytest.mark.fast
 @inner
 def test_a_cpu_accumulator_fails_the_dry_run(hf, seen, monkeypatch):
     "The mesh's loss accumulator made without device= (as it was): the CPU sum meets the loss."
@@ -264,7 +262,6 @@ def test_a_cpu_accumulator_fails_the_dry_run(hf, seen, monkeypatch):
     with pytest.raises(RuntimeError, match="device"): dry_step(hf, "dp2_tp4", 0)
 
 
-@pytest.mark.fast
 @inner
 def test_a_cpu_buffer_in_a_collective_fails_the_dry_run(hf, seen, monkeypatch):
     "The pipeline's receive buffer on the CPU (as was): the fake backend takes it, the check not."
@@ -359,7 +356,6 @@ def devices(obj) -> set:
     return set().union(set(), *(devices(v) for k, v in items if k != "step"))
 
 
-@pytest.mark.fast
 @inner
 @pytest.mark.parametrize("layout", STAGES)
 def test_trainer_step_keeps_everything_on_the_device(hf, seen, written, layout, tmp_path):
@@ -389,7 +385,6 @@ def test_trainer_step_keeps_everything_on_the_device(hf, seen, written, layout, 
     assert want <= seen, f"{layout}: the checked collectives saw {seen}, not {want}"
 
 
-@pytest.mark.fast
 @inner
 def test_a_cpu_buffer_in_zero_fails_the_dry_run(hf, seen, written, monkeypatch, tmp_path):
     "ZeRO's flat buffer made without device=: AdamW steps CPU slices, the all-gather refuses them."
@@ -401,7 +396,6 @@ def test_a_cpu_buffer_in_zero_fails_the_dry_run(hf, seen, written, monkeypatch, 
         trainer_step(hf, "zero1", 0, tmp_path)
 
 
-@pytest.mark.fast
 @inner
 def test_a_cpu_accumulator_fails_the_trainer_dry_run(hf, seen, written, monkeypatch, tmp_path):
     "The trainer step's loss accumulator made without device=: the CPU sum meets the device's loss."

@@ -207,7 +207,15 @@ def outcome(outcomes, key) -> tuple:
     return verdict, what
 
 
-@pytest.mark.parametrize("name", CHECKS)
+FAST = {"dp2", "tp2", "resume", "dp: mean where sum", "tp: sum where mean", "resume data off by one"}  # fast tier
+
+
+def tiered(values, ids):
+    "Parameters, those named in FAST marked for the fast tier."
+    return [pytest.param(v, id=i, marks=[pytest.mark.fast] if i in FAST else []) for v, i in zip(values, ids)]
+
+
+@pytest.mark.parametrize("name", tiered(CHECKS, CHECKS))
 def test_check_passes_unmutated(name, outcomes):
     "A check that always failed would prove nothing: on the package as it is, each one passes."
     verdict, what = outcome(outcomes, ("check", name))
@@ -228,7 +236,7 @@ def mutate(repo, f):  # f: one of FAULTS
     path.write_text(text)
 
 
-@pytest.mark.parametrize("f", FAULTS, ids=[f["name"] for f in FAULTS])
+@pytest.mark.parametrize("f", tiered(FAULTS, [f["name"] for f in FAULTS]))
 def test_fault_is_caught(f, outcomes):
     "The fault, written into a fresh copy of the package, makes its check's numbers differ."
     verdict, what = outcome(outcomes, ("fault", f["name"]))

@@ -139,7 +139,6 @@ def test_plot_keeps_last_record_of_a_step(run):
     assert list(loss.get_lines()[2].get_ydata())[3:] == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("case, says", [("missing", "no such directory"), ("no_metrics", "has no metrics.jsonl"),
                                         ("empty", "is empty"), ("garbage", "line 1 is not JSON")])
 def test_plot_cli_bad_input(tmp_path, case, says):
