@@ -217,7 +217,7 @@ def tensors(opt_state) -> list:  # an optimizer's state: {param or index: {name:
 @pytest.mark.skipif(INNER, reason="the inner run itself")
 def test_dry_run_in_its_own_interpreter():
     "Every test below, in a fresh interpreter: each layout's dry run and the planted bugs caught."
-    proc = run_cli([PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+    proc = run_cli([PY, "-m", "pytest", "-q", "--full", "-p", "no:cacheprovider", __file__],
                    env={"DISTCOURSE_DRY_RUN": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert f"{len(LAYOUTS) + len(STAGES) + 4} passed" in proc.stdout, proc.stdout[-1000:]
