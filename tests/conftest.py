@@ -69,7 +69,7 @@ def worst_rel(want, got) -> float:
 
 
 def grads_diff(want, got, floor=1e-6) -> float:  # {name: full gradient} dicts, or paths of files holding them
-    """The largest ‖Δg‖ / ‖g‖ over the parameters, each tensor against its own norm; names and shapes must match.
+    """The largest ‖Δg‖ / ‖g‖ over the parameters, each tensor against its own norm; names, shapes must match.
 
     Against its own norm, not the whole gradient's: a wrong LayerNorm gain or bias is a small tensor, and its error
     passes under 1e-5 of the whole norm. A tensor whose true gradient is (near) zero (an expert no token reached,

@@ -68,7 +68,8 @@ def test_failing_calls():
     assert [fragment(c) for c in failing_calls(code)] == ["==", ""]
     assert fragment('f, contains=f"{msg}"') == ""  # "{msg}" may be "": it matches any error
     assert fragment("f, contains=f'at {n} steps'") == "at  steps"
-    loop = 'for wrong in (1, 2, [3]):\n    test_fail(lambda: check_b(wrong), contains="==")\ntest_fail(lambda: check_b(0))'
+    loop = ('for wrong in (1, 2, [3]):\n    test_fail(lambda: check_b(wrong), contains="==")\n'
+            'test_fail(lambda: check_b(0))')
     assert wrong_answers(loop, "check_b") == 4 and wrong_answers(loop, "check_c") == 0
 
 

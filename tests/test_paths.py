@@ -85,7 +85,8 @@ def runs(request, tmp_path_factory):
     jobs = {ref: REFERENCES[ref] for ref in {p[2] for p in paths.values()}}
     jobs |= {n: p[:2] for n, p in paths.items()}
     if requested(request, "test_bf16_path_by_flashattention_rule"):
-        jobs |= BF16_REFERENCES | {n: BF16_PATHS[n] for n in requested(request, "test_bf16_path_by_flashattention_rule")}
+        bf16 = requested(request, "test_bf16_path_by_flashattention_rule")
+        jobs |= BF16_REFERENCES | {n: BF16_PATHS[n] for n in bf16}
     with ThreadPoolExecutor(2) as pool:  # a launch is mostly imports and process starts, one core each
         futures = {n: pool.submit(train, tmp, n, world, flags) for n, (world, flags) in jobs.items()}
         failed = {n: f.result() for n, f in futures.items()}
