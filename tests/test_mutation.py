@@ -2,9 +2,14 @@
 makes the smallest equivalence check that must see it fail; the same check passes on the package as
 it is.
 
-Every check compares a few steps of the `tiny` model with one process on the same global batch (or
-a straight run with its resumed copy): per-step loss and gradient norm before clipping. A loss
-alone cannot see a gradient scaled by a constant (AdamW and clipping absorb it); a norm can."""
+Every check compares a few steps with one process on the same global batch (or a straight run with
+its resumed copy): per-step loss and gradient norm before clipping. A loss alone cannot see a
+gradient scaled by a constant (AdamW and clipping absorb it); a norm can. Most checks are the
+trainer's command line against a one-process run of the package as it is; a few are a lesson's
+worker, which runs its own one-process reference beside the parallel version and writes both.
+
+The fast tier runs three faults (dp, tp, resume) and their checks, and reads every fault's text
+(`test_fault_still_applies`, no run); the full tier runs every fault and every check."""
 import json
 import shutil
 import subprocess
@@ -17,19 +22,29 @@ import pytest
 from conftest import PY, ROOT, copy_env, fresh_copy, run_cli, trainer_cmd
 
 TIMEOUT = 240  # seconds per launch: a hang fails
-# 3 steps of the tiny model; the global batch is 4 x 2 sequences of 32 tokens in every layout below
+# 3 steps of the tiny model (4 blocks or tiny-moe where a layout says so); the global batch is 4 x 2 sequences
+# of 32 tokens in every layout below
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "3", "--log_every", "1",
         "--eval_every", "0", "--seq_len", "32", "--max_examples", "200", "--tracker", "none"]
-ONE = ["--batch_size", "4", "--grad_accum", "2", "--save_every", "1"]  # reference; saved: resume
-LOSS_TOL = NORM_TOL = 1e-5  # relative, per step (every path's norm is the root of summed squares)
-# check name -> (processes, flags): the trainer CLI against the reference
 HALF, WHOLE = ["--batch_size", "2", "--grad_accum", "2"], ["--batch_size", "4", "--grad_accum", "2"]
-LAYOUTS = {"dp2": (2, HALF),  # 2 replicas of 2 x 2 sequences
-           "zero1": (2, ["--zero_stage", "1", *HALF]),
-           "tp2": (2, ["--tp", "2", *WHOLE]),  # one tp pair: 4 x 2 sequences
-           "cp2": (2, ["--cp", "2", *WHOLE]),
-           "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b", *WHOLE])}
-CHECKS = [*LAYOUTS, "zero2_by_hand", "resume"]
+FOUR = ["--n_layer", "4"]  # PyTorch's looped and V schedules cut the blocks into pp x 2 chunks
+MOE = ["--model", "tiny-moe"]  # lesson 05m's ExpertMesh
+LOSS_TOL = NORM_TOL = 1e-5  # relative, per step (every path's norm is the root of summed squares)
+# reference name -> one process's flags; "one" is saved at every step: `resume` resumes a copy of it
+REFERENCES = {"one": [*WHOLE, "--save_every", "1"], "one4": [*WHOLE, *FOUR], "one moe": [*WHOLE, *MOE]}
+# check name -> (processes, flags, the reference it is compared with): the trainer CLI
+LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
+           "zero1": (2, ["--zero_stage", "1", *HALF], "one"),
+           "zero2": (2, ["--zero_stage", "2", *HALF], "one"),  # FSDP2
+           "zero3": (2, ["--zero_stage", "3", *HALF], "one"),  # FSDP2, resharded after forward
+           "tp2": (2, ["--tp", "2", *WHOLE], "one"),  # one tp pair: 4 x 2 sequences
+           "cp2": (2, ["--cp", "2", *WHOLE], "one"),  # --cp_impl ring: lesson 05h's lean ring
+           "cp2 ulysses": (2, ["--cp", "2", "--cp_impl", "ulysses", *WHOLE], "one"),
+           "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b", *WHOLE], "one"),
+           "pp2 interleaved": (2, [*FOUR, "--pp", "2", "--pp_schedule", "interleaved", *WHOLE], "one4"),
+           "pp2 zbv": (2, [*FOUR, "--pp", "2", "--pp_schedule", "zbv", *WHOLE], "one4"),  # rank 0: both tied
+           "dp2 pp2": (4, ["--pp", "2", "--pp_schedule", "1f1b", *HALF], "one"),  # local / n: 1/2 (1 at dp 1)
+           "ep2": (2, [*MOE, "--ep", "2", *HALF], "one moe")}  # 2 of the 4 experts per rank
 
 
 def fault(name, module, old, new, check, what):  # old: text that occurs exactly once in the module
@@ -88,21 +103,101 @@ FAULTS = [
           "self.epoch, self.batch, self._it = epoch, batch, None",
           "self.epoch, self.batch, self._it = epoch, batch + 1, None", "resume",
           "a resumed stream skips one batch"),
+    # lesson 05h's lean ring (the trainer's --cp_impl ring): its backward rebuilds P from the saved lse
+    fault("ring: rowsum term dropped", "ring_memory", "ds = p * (dout @ v.transpose(-2, -1) - D)",
+          "ds = p * (dout @ v.transpose(-2, -1))", "cp2", "dS = P * dP, without FlashAttention-2's - rowsum(dO * O)"),
+    fault("ring: dK/dV one rank off", "ring_memory",
+          '            dkv = _hop(dkv, ctx.group, ctx.stats, "bwd_sends")\n', "            pass\n", "cp2",
+          "the last hop home dropped: each rank returns its neighbour's K/V gradient as its own"),
+    fault("ulysses: pieces one rank off", "ulysses", "return torch.cat(recv.unbind(0), dim=gather)",
+          "return torch.cat(recv.roll(1, 0).unbind(0), dim=gather)", "cp2 ulysses",
+          "each all-to-all joins what rank i sent at place i + 1"),
+    fault("ulysses: backward divided by cp", "ulysses",
+          'return _a2a(grad, gather, scatter, ctx.group, ctx.stats, "grad_a2a")',
+          'return _a2a(grad, gather, scatter, ctx.group, ctx.stats, "grad_a2a") / dist.get_world_size(ctx.group)',
+          "cp2 ulysses", "the all-to-all's backward, a permutation, divided by cp as if it averaged"),
+    fault("ep: experts summed over all ranks", "expert_mesh",
+          "_all_reduce_flat([p.grad for p in grads if id(p) not in experts], None)",
+          "_all_reduce_flat([p.grad for p in grads], None)", "ep2",
+          "each rank's experts' gradients added to the other rank's (other) experts'"),
+    fault("ep: aux over this rank's sequences", "expert_mesh", "n, self.seqs = n[0], int(n[1])",
+          "n, self.seqs = n[0], int(n[1]) // self.world", "ep2",
+          "the load-balancing loss's share taken of 1/world of the global batch's sequences (x world)"),
+    fault("ep: norm mean where sum", "experts", "if ep_group is not None: dist.all_reduce(ex, group=ep_group)",
+          "if ep_group is not None: dist.all_reduce(ex, group=ep_group); ex /= dist.get_world_size(ep_group)",
+          "ep2", "the experts' squares averaged over ep ranks that hold different experts"),
+    fault("schedules: tied sync mean where sum", "schedules",
+          "elif tied: dist.all_reduce(tied[0].grad, group=groups.embed)",
+          "elif tied: dist.all_reduce(tied[0].grad, group=groups.embed); tied[0].grad.div_(2)", "pp2 interleaved",
+          "looped chunks: the first and last rank's tied copies averaged"),
+    fault("schedules: V tied copies averaged", "schedules", "total = tied[0].grad + tied[1].grad",
+          "total = (tied[0].grad + tied[1].grad) / 2", "pp2 zbv", "V-shape: rank 0's two tied copies averaged"),
+    fault("Chunks.step: micro-batch divisor", "schedules",
+          "(x, y), self.n, losses = (torch.cat(t) for t in zip(*micro)), n, []",
+          "(x, y), self.n, losses = (torch.cat(t) for t in zip(*micro)), n / len(micro), []", "pp2 interleaved",
+          "each micro-batch's loss share divided by 1/m of the step's tokens (x m)"),
+    fault("FSDP2: sum where mean", "zero", "return fully_shard(model, **kw)",
+          "model = fully_shard(model, **kw)\n    for m in model.modules():\n"
+          '        if hasattr(m, "set_gradient_divide_factor"):\n'
+          "            m.set_force_sum_reduction_for_comms(True)\n"  # gloo has no PREMUL_SUM: SUM, then / 1
+          "            m.set_gradient_divide_factor(1.0)\n    return model",
+          "zero3", "the reduce-scatter sums the ranks' gradients; the trainer's x N expects FSDP2's mean"),
+    fault("FSDP2: precision test inverted", "zero",
+          "policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()",
+          "policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if not bf16 else MixedPrecisionPolicy()",
+          "zero2", "an fp32 run computes with bf16 copies of its fp32 shards"),
+    fault("sp: row-parallel bias not summed", "sequence_parallel",
+          'if ".ln_" in name or name.endswith("c_proj.bias"): p.register_hook(edges.sum_grad)',
+          'if ".ln_" in name: p.register_hook(edges.sum_grad)', "sp2",
+          "c_proj's bias sees this rank's chunk of T: its partial gradient kept"),
+    fault("sp: reduce-scatter mean where sum", "sequence_parallel",
+          'grad_x = _reduce_scatter(grad @ weight, ctx.group, "backward", ctx.log)',
+          'grad_x = _reduce_scatter(grad @ weight, ctx.group, "backward", ctx.log) / dist.get_world_size(ctx.group)',
+          "sp2", "a column layer's input gradient averaged over tp"),
+    fault("tp norm: shards not summed", "mesh", 'if tp > 1: dist.all_reduce(split, group=self.g["tp"])',
+          "if tp > 1: pass", "tp2", "the split tensors' squares of this rank only"),
+    fault("tp norm: whole tensors x tp", "mesh",
+          "if tp > 1 and is_split(self.model, n): split += p.grad.pow(2).sum()",
+          "if tp > 1: split += p.grad.pow(2).sum()", "tp2", "the replicated tensors' squares summed over tp"),
+    fault("tp_grad_norm: mean where sum", "tensor_parallel",
+          "dist.all_reduce(split, group=group)  # one number per rank",
+          "dist.all_reduce(split, group=group); split /= dist.get_world_size(group)", "sp2",
+          "lesson 05c's norm averages the shards' squares over tp"),
+    fault("pp x dp: loss scale dropped", "mesh", "self.scale = local / n", "self.scale = 1.0", "dp2 pp2",
+          "each pipeline's own mean kept (local / n is 1 at dp 1 only): summed over dp, x dp"),
+    fault("reshard: data position dropped", "reshard",
+          'step = state["step"]; stream.load_state_dict(state["data"])', 'step = state["step"]', "reshard",
+          "the run resumed on 1 process reads its epoch from the first batch again"),
+    fault("ZeRO-2 bucket: boundary off by one", "zero", "for p in reversed(ps):",
+          "for p in reversed(ps[1:]):", "zero2_by_hand",
+          "each group's first tensor in no bucket: never reduced, clipped or stepped"),
+    fault("ZeRO-2 bucket: reduced twice", "zero", "for p in ps: p.grad = None  # the full gradient goes",
+          "for p in ps: pass  # the full gradient stays", "zero2_by_hand",
+          "a reduced bucket keeps its gradients: the next micro-batch adds to them, reduced again"),
+    fault("ZeRO-2 bucket: slice overwritten", "zero", "self.left[i], self.first[i] = len(ps), False",
+          "self.left[i] = len(ps)", "zero2_by_hand",
+          "a later micro-batch's reduce-scatter overwrites the slice: the first micro-batch lost"),
 ]
 ROWS = []  # (fault, check, verdict, measured): the table printed after the module
 
 
-def records(out) -> list:
-    "Step, loss, gradient norm and tokens of each train record of a run's metrics.jsonl."
-    keys = ("step", "loss", "grad_norm", "tokens")
-    return [{k: r[k] for k in keys} for r in map(json.loads, open(Path(out) / "metrics.jsonl"))
-            if "split" not in r]
+def records(out, name="metrics.jsonl", keys=("step", "loss", "grad_norm", "tokens")) -> list:
+    "`keys` of each train record of a run's metrics.jsonl (or a worker's `name`)."
+    return [{k: r[k] for k in keys} for r in map(json.loads, open(Path(out) / name)) if "split" not in r]
 
 
 def run_trainer(out, world, flags, repo=ROOT, env=None, resume=False):
     "The trainer on `world` processes of `repo`'s package; None when it ran, else why it did not."
     cmd = [*trainer_cmd(world, TIMEOUT), *ARGS, *flags, "--output_dir", str(out)]
     return _run(cmd + (["--resume", "latest"] if resume else []), repo, env)
+
+
+def run_worker(module, worker, out, world, repo, env, **kw):
+    "`distcourse.<module>.<worker>(out, **kw)` on `world` processes of `repo`'s package; None when it ran, else why."
+    code = ("import json, sys; from functools import partial; from distcourse.launch import launch; "
+            f"from distcourse.{module} import {worker} as w; launch(partial(w, **json.loads(sys.argv[2])), "
+            f"(sys.argv[1],), num_processes={world}, timeout={TIMEOUT})")
+    return _run([PY, "-c", code, str(out), json.dumps(kw)], repo, env)
 
 
 def _run(cmd, repo, env):
@@ -128,22 +223,18 @@ def compare(want, got, exact=False) -> tuple:  # want, got: lists of train recor
     return "equal" if equal else "differ", what
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    "One process on the unmutated package: what every check compares with (saved at every step)."
-    out = tmp_path_factory.mktemp("mutation") / "one"
-    failed = run_trainer(out, 1, ONE)
-    assert failed is None, f"the one-process reference run failed: {failed}"
+def reference(tmp, name) -> Path:
+    "One process on the package as it is, flags REFERENCES[name]: what the checks that name it compare with."
+    out = tmp / name.replace(" ", "_")
+    failed = run_trainer(out, 1, REFERENCES[name])
+    assert failed is None, f"the one-process reference {name!r} failed: {failed}"
     return out
 
 
 def zero2_by_hand(tmp, repo, env) -> tuple:
     "ZeRO-2 by hand (FlatZero2Optimizer) against DDP on the same batches in one run: losses, norms."
-    code = ("import sys; from functools import partial; from distcourse.launch import launch; "
-            "from distcourse.zero import zero_worker as w; "
-            "launch(partial(w, stages=[0, 2], zero2='flat', steps=3, batch_size=4, seq_len=32, "
-            "max_examples=200, grad_accum=2), (sys.argv[1],), num_processes=2)")
-    if failed := _run([PY, "-c", code, str(tmp)], repo, env): return "failed", failed
+    if failed := run_worker("zero", "zero_worker", tmp, 2, repo, env, stages=[0, 2], zero2="flat", steps=3,
+                            batch_size=4, seq_len=32, max_examples=200, grad_accum=2): return "failed", failed
     res = json.loads((tmp / "zero.json").read_text())
     want, got = ([{"step": i + 1, "loss": loss, "grad_norm": norm}
                   for i, (loss, norm) in enumerate(zip(res[s]["losses"], res[s]["grad_norms"]))]
@@ -151,22 +242,56 @@ def zero2_by_hand(tmp, repo, env) -> tuple:
     return compare(want, got)
 
 
+def sp2(tmp, repo, env) -> tuple:
+    "Sequence parallelism at tp 2 (lesson 05d's worker) against one process in the same run: losses, norms."
+    if failed := run_worker("sequence_parallel", "sp_worker", tmp, 2, repo, env, tp=2, steps=3):
+        return "failed", failed
+    res = json.loads((tmp / "sp.json").read_text())
+    want, got = ([{"step": i + 1, "loss": loss, "grad_norm": norm}
+                  for i, (loss, norm) in enumerate(zip(res["losses"][k], res["norms"][k]))]
+                 for k in ("one process", "tp+sp"))
+    return compare(want, got)
+
+
+def reshard(tmp, repo, env) -> tuple:
+    "A straight run on 2 processes x 4, its step-1 checkpoint resumed by 1 process x 8: steps 2-3 as straight."
+    kw = dict(max_steps=3, save_every=1, max_examples=80)  # the global batch: 8 in both
+    if failed := run_worker("reshard", "reshard_worker", tmp / "two", 2, repo, env, batch_size=4, **kw):
+        return "failed", failed
+    shutil.copytree(tmp / "two/checkpoints/step_1", tmp / "one/checkpoints/step_1")
+    if failed := run_worker("reshard", "reshard_worker", tmp / "one", 1, repo, env, batch_size=8, **kw):
+        return "failed", failed
+    straight, resumed = (records(tmp / d, "steps.jsonl", ("step", "loss", "grad_norm")) for d in ("two", "one"))
+    return compare(straight[1:], resumed)  # another world size: the same sums in another order, not bit for bit
+
+
 def resume(tmp, repo, env, reference) -> tuple:
     "The reference without its step-2 and step-3 checkpoints, resumed: steps 2-3 repeat exactly."
     again = tmp / "again"
     shutil.copytree(reference, again)
     for step in (2, 3): shutil.rmtree(again / f"checkpoints/step_{step}")
-    if failed := run_trainer(again, 1, ONE, repo, env, resume=True): return "failed", failed
+    if failed := run_trainer(again, 1, REFERENCES["one"], repo, env, resume=True): return "failed", failed
     return compare(records(reference), records(again), exact=True)
 
 
-def run_check(name, tmp, reference, repo=ROOT, env=None) -> tuple:
+WORKERS = {"zero2_by_hand": zero2_by_hand, "sp2": sp2, "reshard": reshard}  # each runs its own reference
+CHECKS = [*LAYOUTS, *WORKERS, "resume"]
+
+
+def reference_of(check) -> str:
+    "The name of the one-process reference `check` compares with; None for a worker, which runs its own."
+    return None if check in WORKERS else "one" if check == "resume" else LAYOUTS[check][2]
+
+
+def run_check(name, tmp, refs, repo=ROOT, env=None) -> tuple:  # refs: {reference name: future of its output}
     "('equal' | 'differ' | 'failed' (the run did not finish), what was measured) for check `name`."
-    if name == "zero2_by_hand": return zero2_by_hand(tmp, repo, env)
-    if name == "resume": return resume(tmp, repo, env, reference)
-    world, flags = LAYOUTS[name]
-    if failed := run_trainer(tmp / name, world, flags, repo, env): return "failed", failed
-    return compare(records(reference), records(tmp / name))
+    if name in WORKERS: return WORKERS[name](tmp, repo, env)
+    want = refs[reference_of(name)]
+    if name == "resume": return resume(tmp, repo, env, want.result())
+    world, flags, _ = LAYOUTS[name]
+    out = tmp / name.replace(" ", "_")
+    if failed := run_trainer(out, world, flags, repo, env): return "failed", failed
+    return compare(records(want.result()), records(out))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -175,29 +300,38 @@ def table(request):
     yield
     capture = request.config.pluginmanager.get_plugin("capturemanager")  # printed even under -q
     with capture.global_and_fixture_disabled() if capture else nullcontext():
-        print("\n\nfault -> check -> verdict: measured")
-        for row in ROWS: print("{:42} -> {:13} -> {}: {}".format(*row))
+        if not ROWS: return  # no check ran
+        print("\n\nfault (module) -> check -> verdict: measured")
+        width = max((len(row[0]) for row in ROWS), default=0)
+        for row in ROWS: print("{:{w}} -> {:15} -> {}: {}".format(*row, w=width))
 
 
 @pytest.fixture(scope="module")
-def outcomes(request, reference, tmp_path_factory):
+def outcomes(request, tmp_path_factory):
     """The selected checks on the package as it is and with each selected fault, two runs at a time (a run is
-    mostly imports and process starts, one core each): {("check" | "fault", name): (verdict, what)}."""
+    mostly imports and process starts, one core each): {("check" | "fault", name): (verdict, what)}. The
+    references the selected checks need are queued first, so a check waiting for one never waits for a queued
+    run; `resume` checks go last, as they copy their reference before running anything."""
     items = [i for i in request.session.items if i.module is request.module and hasattr(i, "callspec")]
     jobs = [("check", i.callspec.params["name"], None) for i in items
             if i.originalname == "test_check_passes_unmutated"]
     jobs += [("fault", i.callspec.params["f"]["name"], i.callspec.params["f"]) for i in items
              if i.originalname == "test_fault_is_caught"]
-    def one(kind, name, f):
+    def check(job): return job[1] if job[2] is None else job[2]["check"]
+    jobs.sort(key=lambda job: check(job) == "resume")  # stable: otherwise in the order pytest selected them
+    needed = sorted({reference_of(check(job)) for job in jobs} - {None})
+    refs_dir = tmp_path_factory.mktemp("references")
+    def one(kind, name, f, refs):
         tmp = tmp_path_factory.mktemp("check")
         try:
-            if f is None: return run_check(name, tmp, reference)
+            if f is None: return run_check(name, tmp, refs)
             repo = fresh_copy(tmp / "repo")
             mutate(repo, f)
-            return run_check(f["check"], tmp, reference, repo, copy_env(repo))
-        except Exception as e: return "error", e  # raised by its own test
-    with ThreadPoolExecutor(2) as pool:
-        futures = {(kind, name): pool.submit(one, kind, name, f) for kind, name, f in jobs}
+            return run_check(f["check"], tmp, refs, repo, copy_env(repo))
+        except Exception as e: return "error", e  # raised by its own test (a failed reference too)
+    with ThreadPoolExecutor(2) as pool:  # first in, first started: the references before any check
+        refs = {name: pool.submit(reference, refs_dir, name) for name in needed}
+        futures = {(kind, name): pool.submit(one, kind, name, f, refs) for kind, name, f in jobs}
         return {key: future.result() for key, future in futures.items()}
 
 
@@ -223,17 +357,30 @@ def test_check_passes_unmutated(name, outcomes):
     assert verdict == "equal", f"{name} fails on the unmutated package: {what}"
 
 
-def mutate(repo, f):  # f: one of FAULTS
-    "Write fault `f` into `repo`'s copy of distcourse/<module>.py; its text must occur once."
-    path = repo / "distcourse" / f"{f['module']}.py"
-    text = path.read_text()
+def mutated(text, f) -> str:  # text: distcourse/<module>.py as it is; f: one of FAULTS
+    "`text` with fault `f` written in; its `old` text must occur once."
     found = text.count(f["old"])
     assert found == 1, (f"fault {f['name']!r}: its text occurs {found} times in "
                         f"distcourse/{f['module']}.py, not once: the code changed, so update this "
                         f"fault in tests/test_mutation.py (old: {f['old']!r})")
     text = text.replace(f["old"], f["new"])
-    compile(text, str(path), "exec")  # a fault is wrong arithmetic, never a syntax error
-    path.write_text(text)
+    compile(text, f"distcourse/{f['module']}.py", "exec")  # a fault is wrong arithmetic, never a syntax error
+    return text
+
+
+def mutate(repo, f):  # f: one of FAULTS
+    "Write fault `f` into `repo`'s copy of distcourse/<module>.py."
+    path = repo / "distcourse" / f"{f['module']}.py"
+    path.write_text(mutated(path.read_text(), f))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("f", FAULTS, ids=[f["name"] for f in FAULTS])
+def test_fault_still_applies(f):
+    "Without a run: every fault's text is still in the package once, and its check exists (the full tier runs it)."
+    assert f["check"] in CHECKS, f"fault {f['name']!r}: no check {f['check']!r}; choose one of {CHECKS}"
+    assert f["new"] != f["old"]
+    mutated((ROOT / "distcourse" / f"{f['module']}.py").read_text(), f)
 
 
 @pytest.mark.parametrize("f", tiered(FAULTS, [f["name"] for f in FAULTS]))
