@@ -1,4 +1,5 @@
 import json, os, shutil, subprocess, sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,14 @@ def worst_tensor(want, got, floor=1e-6) -> tuple:
            for k, g in want.items()}
     name = max(rel, key=rel.get)
     return rel[name], name
+
+
+def print_table(request, lines):
+    "Print `lines` after a module's tests, past pytest's output capture (shown even under -q); nothing if empty."
+    if not lines: return
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else nullcontext():
+        print("\n\n" + "\n".join(lines))
 
 
 def pytest_addoption(parser):

@@ -14,12 +14,11 @@ import json
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, copy_env, fresh_copy, run_cli, trainer_cmd
+from conftest import PY, ROOT, copy_env, fresh_copy, print_table, run_cli, trainer_cmd
 
 TIMEOUT = 240  # seconds per launch: a hang fails
 # 3 steps of the tiny model (4 blocks or tiny-moe where a layout says so); the global batch is 4 x 2 sequences
@@ -298,12 +297,9 @@ def run_check(name, tmp, refs, repo=ROOT, env=None) -> tuple:  # refs: {referenc
 def table(request):
     "After the module: every fault, the check that ran on it and what it measured."
     yield
-    capture = request.config.pluginmanager.get_plugin("capturemanager")  # printed even under -q
-    with capture.global_and_fixture_disabled() if capture else nullcontext():
-        if not ROWS: return  # no check ran
-        print("\n\nfault (module) -> check -> verdict: measured")
-        width = max((len(row[0]) for row in ROWS), default=0)
-        for row in ROWS: print("{:{w}} -> {:15} -> {}: {}".format(*row, w=width))
+    width = max((len(row[0]) for row in ROWS), default=0)
+    print_table(request, ["fault (module) -> check -> verdict: measured"] * bool(ROWS)
+                + ["{:{w}} -> {:15} -> {}: {}".format(*row, w=width) for row in ROWS])
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ and V schedules need 2 x pp chunks). The fast tier runs one launch per paralleli
 4-process layouts and mixed precision. A table of what each path measured is printed after the module."""
 import json
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import pytest
 
-from conftest import ROOT, run_cli, trainer_cmd, worst_rel, worst_tensor
+from conftest import ROOT, print_table, run_cli, trainer_cmd, worst_rel, worst_tensor
 
 TIMEOUT = 240  # seconds per launch: a hang fails
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--n_layer", "4", "--max_steps", "3", "--log_every", "1",
@@ -111,10 +110,9 @@ def measure(runs, name, ref) -> tuple:
 def table(request):
     "After the module: what each path measured against its reference."
     yield
-    capture = request.config.pluginmanager.get_plugin("capturemanager")  # printed even under -q
-    with capture.global_and_fixture_disabled() if capture else nullcontext():
-        print("\n\npath (processes): worst relative loss, pre-clip norm (3 steps), worst tensor of step 1 (own norm)")
-        for row in ROWS: print("{:16} ({}): {:.1e}, {:.1e}, {:.1e} ({})".format(*row))
+    print_table(request, ["path (processes): worst relative loss, pre-clip norm (3 steps), worst tensor of step 1 "
+                          "(own norm)"] * bool(ROWS)
+                + ["{:16} ({}): {:.1e}, {:.1e}, {:.1e} ({})".format(*row) for row in ROWS])
 
 
 def tier(name, spec):
