@@ -42,11 +42,11 @@ def title_of(nb) -> str:
     return "untitled"
 
 
-def skipped_flags(test) -> set:
-    "Cell flags not run: `#| eval: false` always; under --test also settings.ini's tst_flags, as nbdev_test does."
+def skipped_flags(test, flags=()) -> set:
+    "Cell flags not run: `#| eval: false` always; under --test settings.ini's tst_flags but `flags`, as nbdev_test."
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "settings.ini")
-    return {"eval: false", *(cfg["DEFAULT"]["tst_flags"].split() if test else ())}
+    return {"eval: false", *(set(cfg["DEFAULT"]["tst_flags"].split()) - set(flags) if test else ())}
 
 
 def record_kernels():
@@ -58,7 +58,7 @@ def record_kernels():
     FORKS.mkdir(parents=True, exist_ok=True)
 
 
-def execute(path, test) -> tuple:
+def execute(path, test, flags=()) -> tuple:
     "Run one lesson top to bottom in a fresh kernel (cwd nbs/); write it with its outputs. (name, seconds, error)."
     import nbformat
     from nbclient import NotebookClient
@@ -70,10 +70,10 @@ def execute(path, test) -> tuple:
     log.write_text(json.dumps({"event": "start", "source": hashlib.sha256(path.read_bytes()).hexdigest()}) + "\n")
     os.environ.update(IPYTHONDIR=str(SRC / "ipython"), DISTCOURSE_FORK_LOG=str(log))
     nb, t0, error = nbformat.read(path, as_version=4), time.time(), None
-    skip = skipped_flags(test)
+    skip = skipped_flags(test, flags)
     for cell in nb.cells:
-        flags = set(re.findall(r"^#\|\s*(.+?)\s*$", cell.source, re.M)) if cell.cell_type == "code" else set()
-        if flags & skip: cell.metadata.setdefault("tags", []).append("skip-execution")  # nbclient leaves it
+        cell_flags = set(re.findall(r"^#\|\s*(.+?)\s*$", cell.source, re.M)) if cell.cell_type == "code" else set()
+        if cell_flags & skip: cell.metadata.setdefault("tags", []).append("skip-execution")  # nbclient leaves it
     # A cell's limit: at real sizes one cell trains for minutes, and on a 2-core machine shared with another lesson
     # (--jobs 2) or another job it took over 15 (lesson 02's 150 steps); a launch that hangs has its own timeout.
     limit = 900 if test else 3 * 3600
@@ -139,6 +139,8 @@ def config(pages, modules) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python site/build.py", description=__doc__.splitlines()[0])
     p.add_argument("--test", action="store_true", help="IN_TEST sizes (minutes instead of tens of minutes)")
+    p.add_argument("--flags", nargs="*", default=[], help="under --test, run the cells with these tst_flags too, "
+                   "as `nbdev_test --flags slow` does (CI: slow)")
     p.add_argument("--jobs", type=int, default=2, help="lessons executed at once")
     args = p.parse_args(argv)
     shutil.rmtree(SRC, ignore_errors=True)
@@ -146,8 +148,10 @@ def main(argv=None):
     record_kernels()
     t0 = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(execute, lessons(), [args.test] * len(lessons())))
-    for name, secs, error in results: print(f"{name:<28} {secs:>6.1f} s  {'ERROR: ' + error if error else 'ok'}")
+        n, results = len(lessons()), []
+        for name, secs, error in pool.map(execute, lessons(), [args.test] * n, [args.flags] * n):  # in course order
+            print(f"{name:<28} {secs:>6.1f} s  {'ERROR: ' + error if error else 'ok'}", flush=True)
+            results.append((name, secs, error))
     if failed := [n for n, _, e in results if e]: raise SystemExit(f"lessons raised: {failed}; no site built")
     docs = SRC / "docs"
     (docs / "api").mkdir(parents=True)

@@ -21,9 +21,9 @@ from distcourse.loop import count_targets, loss_sum, make_optimizer, make_schedu
 from distcourse.mesh import Mesh, mesh_layout
 from distcourse.train import main
 
-# 20 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp =
+# 10 steps of the tiny model; every run has the same global batch, batch_size × grad_accum × dp =
 # 4 × 4 × 1, and writes step 1's full gradients (GPT-2 names, gathered over tp, pp): grads_step1.pt
-ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log_every", "1", "--eval_every", "0",
+ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "10", "--log_every", "1", "--eval_every", "0",
         "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300",
         "--tracker", "none", "--grads_at", "1"]
 # AdamW and clipping hide a constant factor on all gradients (x 4 moved 20 steps' losses by 8.5e-8):
@@ -31,21 +31,21 @@ ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "20", "--log
 # ‖Δg‖ over the whole norm) are compared with one process. Measured on every layout: norms ≤ 1.4e-7,
 # step 1's gradients ≤ 7.2e-8.
 NORM_TOL = GRAD_TOL = 1e-5
+# tp 2 and dp 2 × pp 2 alone are proved on gradients in tests/test_paths.py (3 steps); the layouts here add what
+# 10 steps show: resume, model/ whole, the tied copies in a checkpoint's pieces, MFU and memory records.
 MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 replicas of a tp pair, 2 × 4 × 2
           "cp2": (2, ["--cp", "2"]), "pp2": (2, ["--pp", "2", "--pp_schedule", "1f1b"]),
-          "tp2": (2, ["--tp", "2"]),  # one tp pair, the issue's command: 4 × 4 × 1
-          "dp2_pp2": (4, ["--pp", "2", "--batch_size", "2", "--pp_schedule", "gpipe"]),  # 2 pipelines: 2×4×2
           "tp2_cp2": (4, ["--tp", "2", "--cp", "2"]),  # one replica: 2 cp ranks of a tp pair each, 4 × 4 × 1
           "tp2_pp2": (4, ["--tp", "2", "--pp", "2"]),  # one pipeline of 2 stages, each a tp pair: 4 × 4 × 1
           "pp2_cp2": (4, ["--pp", "2", "--cp", "2", "--cp_impl", "ulysses"])}  # 2 stages, each a Ulysses cp pair
 # (the 8-process layouts, tp 2 × pp 2 × cp 2 and dp 2 × pp 2 × cp 2, are proved on the step itself below: cheaper)
-# Resumed from their checkpoints: one layout per piece kind. tp2, dp2_pp2 and pp2 save the same pieces as dp2_tp2
-# and pp2_cp2 (tp<i>, pp<i>; dp and cp copies written once, which dp2_tp2 and pp2_cp2 cover), and tp2 resumes
-# dp2_tp2's checkpoint below; pp2_cp2 resumes pp × cp (Ulysses) exactly.
+# Resumed from their checkpoints: one layout per piece kind. pp2 saves the same pieces as pp2_cp2 (pp<i>; dp and
+# cp copies written once, which dp2_tp2 and pp2_cp2 cover), and tp 2 resumes dp2_tp2's checkpoint below; pp2_cp2
+# resumes pp × cp (Ulysses) exactly.
 # tp2_cp2 saves the same tp<i> pieces, its cp copies once as dp copies: its resume would add a 4-process run.
 # tp2_pp2 names its pieces by stage and tp index (pp<s>tp<i>), which no other layout covers.
 RESUMED = ["dp2_tp2", "cp2", "pp2_cp2", "tp2_pp2"]
-# Every pp layout also keeps its step-20 checkpoint: its pieces hold both stages' copies of the tied matrix.
+# Every pp layout also keeps its step-10 checkpoint: its pieces hold both stages' copies of the tied matrix.
 SAVED = {*RESUMED, *(name for name in MESHES if "pp" in name)}
 WTE, HEAD = "transformer.wte.weight", "lm_head.weight"  # the tied matrix's two names
 
@@ -57,10 +57,10 @@ def train_losses(out, key="loss"):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One process, and the same global batch on every mesh (each with a timeout: a hang fails; ranks forked: see
-    conftest); the RESUMED layouts save checkpoints at steps 10 and 20, the other pp layouts at step 20."""
+    conftest); the RESUMED layouts save checkpoints at steps 5 and 10, the other pp layouts at step 10."""
     tmp = tmp_path_factory.mktemp("mesh")
     def run(name, world, flags):  # two runs at a time: much of a run is imports and process starts, one core each
-        saves = [] if world == 1 else ["--save_every", "10" if name in RESUMED else "20" if name in SAVED else "0"]
+        saves = [] if world == 1 else ["--save_every", "5" if name in RESUMED else "10" if name in SAVED else "0"]
         return run_cli([*trainer_cmd(world), *ARGS, *flags, *saves, "--output_dir", str(tmp / name)], timeout=300)
     with ThreadPoolExecutor(2) as pool:
         procs = {name: pool.submit(run, name, *layout) for name, layout in {"one": (1, []), **MESHES}.items()}
@@ -71,7 +71,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name", list(MESHES))
 def test_mesh_losses_equal_one_process(runs, name):
     want, got = train_losses(runs / "one"), train_losses(runs / name)
-    assert len(want) == len(got) == 20
+    assert len(want) == len(got) == 10
     worst = max(abs(a - b) / abs(a) for a, b in zip(want, got))
     assert worst <= 1e-4, (name, worst)
     run = json.loads((runs / name / "run.json").read_text())
@@ -84,7 +84,7 @@ def test_mesh_losses_equal_one_process(runs, name):
                                           else "ring")  # cp's attention, in run.json
     if name == "pp2":  # the bubble is a timing: recorded, not bounded (the machine is shared)
         assert run["parallel"]["pp_schedule"] == "1f1b" and isinstance(run["parallel"]["bubble"], float)
-    print(f"{name}: largest relative loss difference {worst:.1e} over 20 steps")
+    print(f"{name}: largest relative loss difference {worst:.1e} over 10 steps")
 
 
 @pytest.mark.parametrize("name", list(MESHES))
@@ -93,7 +93,7 @@ def test_mesh_gradients_equal_one_process(runs, name):
     one, mesh = runs / "one", runs / name
     norms = worst_rel(train_losses(one, "grad_norm"), train_losses(mesh, "grad_norm"))
     grads = grads_diff(one / "grads_step1.pt", mesh / "grads_step1.pt")  # same keys and shapes
-    print(f"{name}: worst relative gradient norm {norms:.1e} over 20 steps, step 1's gradients "
+    print(f"{name}: worst relative gradient norm {norms:.1e} over 10 steps, step 1's gradients "
           f"{grads:.1e}")
     assert norms <= NORM_TOL and grads <= GRAD_TOL, (name, norms, grads)
 
@@ -139,7 +139,7 @@ def tied_copies(ckpt) -> dict:
 def test_model_saved_whole(runs, name):
     """model/ of a mesh run loads with from_pretrained and holds the weights one process trained; the copies of the
     tied matrix that the run's ranks held (pp: wte on the first stage, lm_head on the last; tp: one per rank) are
-    equal to the bit at step 20, in the checkpoint's pieces (from_pretrained re-ties model/'s two names)."""
+    equal to the bit at step 10, in the checkpoint's pieces (from_pretrained re-ties model/'s two names)."""
     want = AutoModelForCausalLM.from_pretrained(runs / "one/model").state_dict()
     got = AutoModelForCausalLM.from_pretrained(runs / name / "model").state_dict()
     assert got.keys() == want.keys()
@@ -148,7 +148,7 @@ def test_model_saved_whole(runs, name):
     diff = sum((got[k] - w).pow(2).sum() for k, w in want.items()).sqrt()
     assert diff / sum(w.pow(2).sum() for w in want.values()).sqrt() <= 1e-4
     if name not in SAVED: return
-    copies = tied_copies(runs / name / "checkpoints/step_20")
+    copies = tied_copies(runs / name / "checkpoints/step_10")
     held = {(piece[:3], n) for piece, n in copies} if "pp" in name else {piece for piece, _ in copies}
     assert held == ({("pp0", WTE), ("pp1", HEAD)} if "pp" in name else {"tp0", "tp1"} if "tp" in name
                     else {"whole"}), sorted(copies)  # cp and dp copies are saved once
@@ -157,45 +157,45 @@ def test_model_saved_whole(runs, name):
 
 @pytest.mark.parametrize("name", RESUMED)
 def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
-    "A copy of the run without its step-20 checkpoint, resumed: steps 11-20 repeat the straight run's losses exactly."
+    "A copy of the run without its step-10 checkpoint, resumed: steps 6-10 repeat the straight run's losses exactly."
     world, flags = MESHES[name]
     again = tmp_path / name
     shutil.copytree(runs / name, again)
-    shutil.rmtree(again / "checkpoints/step_20")
-    pieces = dcp.FileSystemReader(str(again / "checkpoints/step_10/sharded")).read_metadata().state_dict_metadata
+    shutil.rmtree(again / "checkpoints/step_10")
+    pieces = dcp.FileSystemReader(str(again / "checkpoints/step_5/sharded")).read_metadata().state_dict_metadata
     names = {k.split(".")[1] for k in pieces}  # custom_0.<piece>.model...: each piece once, whatever the dp copies
     assert names == {"dp2_tp2": {"tp0", "tp1"}, "cp2": {"whole"}, "pp2_cp2": {"pp0", "pp1"},
                      "tp2_pp2": {"pp0tp0", "pp0tp1", "pp1tp0", "pp1tp1"}}[name], names
     monkeypatch.setenv("WORLD_SIZE", str(world))  # the layout is part of the checkpoint: another one is refused
     with pytest.raises(ConfigError, match=f"--{name[-3:-1]} saved 2, now 1"):
-        parse_args([*ARGS, "--save_every", "10", "--resume", "latest", "--output_dir", str(again)])
-    proc = run_cli([*trainer_cmd(world), *ARGS, *flags, "--save_every", "10", "--resume", "latest",
+        parse_args([*ARGS, "--save_every", "5", "--resume", "latest", "--output_dir", str(again)])
+    proc = run_cli([*trainer_cmd(world), *ARGS, *flags, "--save_every", "5", "--resume", "latest",
                     "--output_dir", str(again)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert train_losses(again) == train_losses(runs / name)  # bit for bit: the same layout, the same arithmetic
     assert train_losses(again, "grad_norm") == train_losses(runs / name, "grad_norm")  # exact too
     run = json.loads((again / "run.json").read_text())
     straight = json.loads((runs / name / "run.json").read_text())["parallel"]
-    assert run["resumed_from"]["step"] == 10
+    assert run["resumed_from"]["step"] == 5
     assert {k: v for k, v in run["parallel"].items() if k != "bubble"} == {k: v for k, v in straight.items() if k != "bubble"}
 
 
 
 def test_mesh_resumes_on_another_dp(runs, tmp_path):
-    "dp 2 × tp 2's step-10 checkpoint resumed by dp 1 × tp 2 under `accelerate launch` (twice the batch_size: the same global batch)."
+    "dp 2 × tp 2's step-5 checkpoint resumed by dp 1 × tp 2 under `accelerate launch` (twice the batch_size: the same global batch)."
     again = tmp_path / "tp2"
     shutil.copytree(runs / "dp2_tp2", again)
-    shutil.rmtree(again / "checkpoints/step_20")
+    shutil.rmtree(again / "checkpoints/step_10")
     proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-                    "-m", "distcourse.train", *ARGS, "--tp", "2", "--batch_size", "4", "--save_every", "10",
+                    "-m", "distcourse.train", *ARGS, "--tp", "2", "--batch_size", "4", "--save_every", "5",
                     "--resume", "latest", "--output_dir", str(again)], timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want, got = train_losses(runs / "dp2_tp2"), train_losses(again)
-    assert got[:10] == want[:10] and len(got) == 20  # the first 10 steps are the saved run's records
-    worst = max(abs(a - b) / abs(a) for a, b in zip(want[10:], got[10:]))
+    assert got[:5] == want[:5] and len(got) == 10  # the first 5 steps are the saved run's records
+    worst = max(abs(a - b) / abs(a) for a, b in zip(want[5:], got[5:]))
     assert worst <= 1e-4, worst  # the same examples and weights; only the order of a sum differs
-    norms = worst_rel(*(train_losses(d, "grad_norm")[10:] for d in (runs / "dp2_tp2", again)))
-    assert norms <= NORM_TOL, norms  # the pre-clip gradient norms of steps 11-20 as well
+    norms = worst_rel(*(train_losses(d, "grad_norm")[5:] for d in (runs / "dp2_tp2", again)))
+    assert norms <= NORM_TOL, norms  # the pre-clip gradient norms of steps 6-10 as well
     assert json.loads((again / "run.json").read_text())["parallel"]["dp"] == 1
 
 

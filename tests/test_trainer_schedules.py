@@ -1,27 +1,20 @@
 """The trainer's --pp_schedule interleaved, zb, zbv and dualpipev (PyTorch's schedules, lesson 05f's `Chunks`) with
---n_layer: the losses, gradient norms and step 1's gradients of one process on the same global batch, an exact
-resume, and the depths a schedule cannot split refused before launch."""
+--n_layer: what run.json records, an exact resume, and the depths a schedule cannot split refused before launch.
+Each schedule's losses, gradient norms and step 1's gradients against one process: tests/test_paths.py."""
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT, grads_diff, run_cli, trainer_cmd, worst_rel
+from conftest import ROOT, run_cli, trainer_cmd
 from distcourse.config import ConfigError, parse_args
 
 # 4 steps of the tiny preset made 4 blocks deep (2·pp chunks of one block at pp 2); global batch 4 × 4 × 1
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--n_layer", "4", "--max_steps", "4", "--log_every", "1",
         "--eval_every", "0", "--seq_len", "32", "--batch_size", "4", "--grad_accum", "4", "--max_examples", "300",
-        "--tracker", "none", "--grads_at", "1"]
-# Measured on 2 CPU cores: every schedule's losses equal one process's to the last bit, its gradient norms within
-# 6.5e-8 relative, step 1's gradients within 5.7e-8 of the whole norm.
-NORM_TOL, GRAD_TOL = 1e-5, 1e-6
-# One looped and one V-shaped schedule here (zb runs interleaved's chunks, dualpipev zbv's, through the same
-# `Chunks.step`; measured equal too, as lesson 05f proves each schedule's step): a launch costs ~8 s.
-SCHEDULES = ("interleaved", "zbv")
+        "--tracker", "none"]
 
 
 def records(out, key):
@@ -34,33 +27,23 @@ def run(tmp, name, world, flags):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One process, interleaved (saving at steps 2 and 4) and zbv on 2 processes (pp 2), two runs at a time; then
-    a copy of interleaved's run without its step-4 checkpoint, resumed."""
+    """interleaved on 2 processes (pp 2), saving at steps 2 and 4; then a copy of it without its step-4 checkpoint,
+    resumed. (Every schedule's gradients against one process: tests/test_paths.py.)"""
     tmp = tmp_path_factory.mktemp("sched")
-    with ThreadPoolExecutor(2) as pool:
-        procs = {name: pool.submit(run, tmp, name, 1 if name == "one" else 2, [] if name == "one" else
-                                   ["--pp", "2", "--pp_schedule", name, "--save_every", "2"])
-                 for name in ("one", *SCHEDULES)}
-        assert procs["interleaved"].result().returncode == 0, procs["interleaved"].result().stderr[-3000:]
-        shutil.copytree(tmp / "interleaved", tmp / "resumed")
-        shutil.rmtree(tmp / "resumed/checkpoints/step_4")
-        procs["resumed"] = pool.submit(run, tmp, "resumed", 2, ["--pp", "2", "--pp_schedule", "interleaved",
-                                                               "--save_every", "2", "--resume", "latest"])
-        for name, proc in procs.items(): assert proc.result().returncode == 0, (name, proc.result().stderr[-3000:])
+    flags = ["--pp", "2", "--pp_schedule", "interleaved", "--save_every", "2"]
+    proc = run(tmp, "interleaved", 2, flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shutil.copytree(tmp / "interleaved", tmp / "resumed")
+    shutil.rmtree(tmp / "resumed/checkpoints/step_4")
+    proc = run(tmp, "resumed", 2, [*flags, "--resume", "latest"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return tmp
 
 
-@pytest.mark.parametrize("name", SCHEDULES)
-def test_schedule_equals_one_process(runs, name):
-    "Every step's loss and pre-clip gradient norm, and step 1's full gradients (the tied matrix once)."
-    one, got = runs / "one", runs / name
-    losses = worst_rel(records(one, "loss"), records(got, "loss"))
-    norms = worst_rel(records(one, "grad_norm"), records(got, "grad_norm"))
-    grads = grads_diff(one / "grads_step1.pt", got / "grads_step1.pt")  # the same names and shapes
-    print(f"{name}: losses {losses:.1e}, gradient norms {norms:.1e} (relative), step 1's gradients {grads:.1e}")
-    assert losses <= NORM_TOL and norms <= NORM_TOL and grads <= GRAD_TOL, (name, losses, norms, grads)
-    run = json.loads((got / "run.json").read_text())
-    assert run["parallel"]["pp_schedule"] == name and run["parallel"]["bubble"] is None  # not timed
+def test_schedule_run_records(runs):
+    "run.json names the schedule and the depth; a looped schedule's bubble and first-step peak are not measured."
+    run = json.loads((runs / "interleaved/run.json").read_text())
+    assert run["parallel"]["pp_schedule"] == "interleaved" and run["parallel"]["bubble"] is None  # not timed
     assert run["config"]["n_layer"] == 4 and all("not measured" in r["peak_first_step"]
                                                  for r in run["memory"]["per_rank"])
 
