@@ -149,7 +149,7 @@ def main(argv=None):
     t0 = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
         n, results = len(lessons()), []
-        for name, secs, error in pool.map(execute, lessons(), [args.test] * n, [args.flags] * n):  # in course order
+        for name, secs, error in pool.map(execute, lessons(), [args.test] * n, [args.flags] * n):  # course order
             print(f"{name:<28} {secs:>6.1f} s  {'ERROR: ' + error if error else 'ok'}", flush=True)
             results.append((name, secs, error))
     if failed := [n for n, _, e in results if e]: raise SystemExit(f"lessons raised: {failed}; no site built")
