@@ -33,7 +33,7 @@ from distcourse.config import ConfigError, parse_args  # noqa: E402
 from distcourse.data import get_tokenizer  # noqa: E402
 from distcourse.launch import launch  # noqa: E402
 from distcourse.memory import STAGES  # noqa: E402
-from distcourse.mesh import CP_IMPLS, PP_SCHEDULES  # noqa: E402
+from distcourse.layout import CP_IMPLS, PP_SCHEDULES  # noqa: E402
 from distcourse.model import PRESETS, build_model, num_params  # noqa: E402
 from distcourse.train import main as train_main  # noqa: E402
 
@@ -91,7 +91,7 @@ def sized(lay, args) -> dict:
 
 def refusal(argv, world):
     "The line the trainer prints for `argv` on `world` processes before exiting 2, or None if it accepts it."
-    with patch_environment(WORLD_SIZE=str(world)):  # what check_degrees reads in every rank
+    with patch_environment(WORLD_SIZE=str(world)):  # what the layout check reads in every rank
         try: parse_args(argv)
         except ConfigError as e: return f"distcourse.train: error: {e}"
     return None

@@ -22,9 +22,9 @@ from transformers import AutoConfig
 
 from .checkpoint import MARKER, latest_checkpoint, read_state
 from .data import hub_offline
-from .expert_mesh import MOE_PRESETS, check_experts
+from .experts import MOE_PRESETS
+from .layout import CP_IMPLS, DEGREES, PP_SCHEDULES, ParallelDims, check
 from .memory import STAGES
-from .mesh import CP_IMPLS, PP_SCHEDULES, SUPPORTED, check_degrees
 from .model import PRESETS
 from .profiling import step_range
 from .tracking import resolve_tracker
@@ -147,46 +147,30 @@ def _check_global_batch(path, state, cfg):
                       f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
-_DROPOUT_WHY = {  # why cp and pp refuse dropout (tp draws its heads' masks per rank: 05c, tests/test_tp_dropout.py)
-    "cp": "ring and Ulysses attention have no attention dropout, and context-parallel ranks would draw the "
-          "same masks for different tokens (their chunks would need a random state per cp rank)",
-    "pp": "every pipeline stage starts from the same seed, so its layers' masks repeat another "
-          "stage's instead of being drawn independently (stages would need seeds of their own)"}
+def _dropout(model) -> float:  # a preset's (None: GPT-2's default); 0 for other models (the mesh refuses them)
+    p = (PRESETS.get(model) or MOE_PRESETS.get(model) or {}).get("dropout", 0.0)
+    return AutoConfig.for_model("gpt2").resid_pdrop if p is None else p
 
-def _mesh_dropout(model) -> float:  # a preset's name (the mesh trains presets only); None: GPT-2's default
-    return AutoConfig.for_model("gpt2").resid_pdrop if (p := PRESETS[model]["dropout"]) is None else p
+def _sizes(cfg):
+    "What the layout's checks read of the model (n_layer, n_head, n_embd, n_expert): a preset's, else None."
+    if cfg.model in MOE_PRESETS: return SimpleNamespace(**MOE_PRESETS[cfg.model])
+    if cfg.model not in PRESETS: return None
+    return SimpleNamespace(**{**PRESETS[cfg.model], "n_layer": cfg.n_layer or PRESETS[cfg.model]["n_layer"]})
 
-def _check_mesh_dropout(cfg):
-    "Refuse dropout > 0 under --cp or --pp before any process group: say why, and the fix."
-    p = _mesh_dropout(cfg.model)
-    axis = next((k for k in ("cp", "pp") if getattr(cfg, k) > 1), None)
-    if p == 0 or axis is None: return
-    without = ", ".join(n for n in PRESETS if _mesh_dropout(n) == 0)
-    raise ConfigError(f"--{axis} {getattr(cfg, axis)} with --model {cfg.model} (dropout {p}): "
-                      f"{_DROPOUT_WHY[axis]}; use a preset without dropout ({without}), "
-                      f"or --{axis} 1")
-
-def _check_mesh(cfg):
-    "--tp, --cp, --pp and --pp_schedule: what the mesh trainer supports, checked before any process talks."
-    if cfg.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"--pp_schedule {cfg.pp_schedule!r}: choose one of {', '.join(PP_SCHEDULES)}")
-    if cfg.cp_impl not in CP_IMPLS: raise ConfigError(f"--cp_impl {cfg.cp_impl!r}: choose one of {', '.join(CP_IMPLS)}")
-    flags = " ".join(f"--{k} {getattr(cfg, k)}" for k in ("tp", "cp", "pp") if getattr(cfg, k) != 1)
-    if not flags: return
-    if cfg.model not in PRESETS or cfg.task != "clm":
-        raise ConfigError(f"{flags} with --task {cfg.task} --model {cfg.model}: the mesh trains {SUPPORTED}; "
-                          f"use --task clm and --model one of {', '.join(PRESETS)}")
-    if k := next((k for k in ("zero_stage", "activation_checkpointing") if getattr(cfg, k)), None):
-        raise ConfigError(f"{flags} with --{k} {getattr(cfg, k)}: not supported on the mesh yet; leave --{k} at {getattr(Config, k)!r}")
-    _check_mesh_dropout(cfg)
-    sizes = SimpleNamespace(**PRESETS[cfg.model])  # n_layer, n_head, n_embd: what the checks read
-    sizes.n_layer = cfg.n_layer or sizes.n_layer  # --n_layer: the preset's depth changed
-    try: check_degrees(int(os.getenv("WORLD_SIZE", "1")), cfg.tp, cfg.pp, cfg.cp, sizes, cfg.seq_len,
-                       cfg.grad_accum, cfg.pp_schedule, cfg.cp_impl)
+def _check_layout(cfg):
+    "The degrees and what the trainer composes: 05ja's `check`, the one place its rules live, before any process."
+    for k, names in (("pp_schedule", PP_SCHEDULES), ("cp_impl", CP_IMPLS)):
+        if getattr(cfg, k) not in names:
+            raise ConfigError(f"--{k} {getattr(cfg, k)!r}: choose one of {', '.join(names)}")
+    kw = {f.name: getattr(cfg, f.name) for f in fields(ParallelDims) if f.name != "world"}
+    d = ParallelDims(int(os.getenv("WORLD_SIZE", "1")), **kw)  # WORLD_SIZE: set by every launcher
+    try: check(d, _sizes(cfg), cfg.seq_len, cfg.grad_accum, cfg.model, cfg.task, _dropout(cfg.model))
     except ValueError as e:
-        said_micro = "micro_batches" in str(e)  # the pipeline lesson's name for them
-        pipeline = " (the pipeline's micro-batches are --grad_accum's)" if said_micro else ""
-        raise ConfigError(f"{flags}: {str(e).replace('cp_impl=', '--cp_impl ')}{pipeline}") from None
+        msg = str(e).replace("cp_impl=", "--cp_impl ")
+        if msg.startswith("--"): raise ConfigError(msg) from None  # a composition rule names its own flags
+        pipeline = " (the pipeline's micro-batches are --grad_accum's)" if "micro_batches" in msg else ""
+        flags = d.flags(*DEGREES)
+        raise ConfigError(f"{flags + ': ' if flags else ''}{msg}{pipeline}") from None
 
 def validate(cfg: Config) -> Config:
     "Raise `ConfigError` for anything wrong with `cfg` that can be seen before training starts."
@@ -220,8 +204,7 @@ def validate(cfg: Config) -> Config:
          f"positions; pass --seq_len {n_pos} or a model with more positions")
     step_range(cfg.profile_steps, cfg.max_steps, ConfigError)  # --profile_steps A:B
     _resume_path(cfg)
-    check_experts(cfg, ConfigError)  # --ep and the MoE presets (lesson 05m)
-    _check_mesh(cfg)
+    _check_layout(cfg)
     out = Path(cfg.output_dir)
     need(cfg.resume or cfg.overwrite or not (out / "run.json").exists() and not (out / "checkpoints").exists(),
          f"--output_dir {out} already holds a run; pass --resume latest to continue it, "

@@ -14,13 +14,14 @@ import tempfile
 from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from itertools import product
+from types import SimpleNamespace
 from accelerate.utils import patch_environment
 from .config import Config, ConfigError, validate
 from .experts import MOE_PRESETS, moe_flops_per_token
 from .gpt import GPTConfig, flops_per_token
 from .machine import Profile, collective_s, load_profile
 from .memory import zero_bytes
-from .mesh import PP_SCHEDULES, check_degrees
+from .layout import PP_SCHEDULES, ParallelDims, check
 from .model import PRESETS
 from .recompute import activation_terms
 from .schedules import actions, in_flight
@@ -217,14 +218,16 @@ def shared_step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
             "dp": sum(k * c(name, n_b, n) for name, n_b, n, k in dp_messages(s, L, D * rank_params(s, L)))}
 
 # %% ../nbs/09c_plan.ipynb #d298d39e
-def _fits(s, L, seq_len, p, course) -> bool:
-    "Degrees, schedule and micro-batches 05k's check_degrees accepts (course: the trainer's own limits too)."
+def _fits(s, L, seq_len, p, model=None) -> bool:
+    "What 05ja's check accepts (given the trainer's --model: what it composes too), tp inside one node."
     v = 2 if L.pp_schedule in PP_SCHEDULES[2:] else 1  # PyTorch's schedules: 2 chunks per rank
-    dims = replace(s.config(), n_layer=-(-s.n_layer // (L.pp * v)) * L.pp * v)  # uneven stages: padded
-    sched = L.pp_schedule if course or v == 1 else "1f1b"  # elsewhere they run with tp and cp too (Megatron)
-    try: check_degrees(L.world, L.tp, L.pp, L.cp, dims, seq_len, L.grad_accum, sched, L.cp_impl)
+    n_layer = -(-s.n_layer // (L.pp * v)) * L.pp * v  # uneven stages: padded
+    dims = SimpleNamespace(**asdict(replace(s.config(), n_layer=n_layer)), n_expert=s.n_expert)
+    d = ParallelDims(L.world, **{k: getattr(L, k) for k in ("tp", "cp", "pp", "ep", "zero_stage",
+                                                               "activation_checkpointing", "pp_schedule", "cp_impl")})
+    try: check(d, dims, seq_len, L.grad_accum, model)
     except ValueError: return False
-    return L.tp <= (L.world if p.shared else p.devices_per_node) and s.n_expert % L.ep == 0
+    return L.tp <= (L.world if p.shared else p.devices_per_node)  # a planner's choice: tp on the fastest links
 def layouts(s: Shape, world, global_batch, seq_len, p: Profile,
             model=None, n_layer=0,  # a preset and its depth: only layouts the course's trainer accepts
             zero_stages=(0, 1, 2, 3), schedules=PP_SCHEDULES, cp_impls=("ring", "ulysses"),
@@ -232,15 +235,14 @@ def layouts(s: Shape, world, global_batch, seq_len, p: Profile,
     "Every Layout of `world` ranks that can train `s` on `global_batch` sequences and fits each rank's memory."
     out, course, divisors = [], model is not None, lambda n: [d for d in range(1, n + 1) if n % d == 0]
     for tp, cp, pp in product(divisors(world), repeat=3):
-        dp, mesh = world // (tp * cp * pp), tp * cp * pp > 1
-        if world % (tp * cp * pp) or global_batch % dp or (course and mesh and s.n_expert > 1): continue
-        mesh = course and mesh  # the trainer's mesh: no ZeRO, no recomputation (05k)
+        dp = world // (tp * cp * pp)
+        if world % (tp * cp * pp) or global_batch % dp: continue
         for b, sched, impl, z, ac, ep in product(
                 [b for b in batch_sizes if global_batch // dp % b == 0], schedules if pp > 1 else ("1f1b",),
-                cp_impls if cp > 1 else ("ring",), zero_stages if dp > 1 and not mesh else (0,),
-                recompute if not mesh else (False,), divisors(dp) if s.n_expert > 1 else (1,)):
+                cp_impls if cp > 1 else ("ring",), zero_stages if dp > 1 else (0,), recompute,
+                divisors(dp) if s.n_expert > 1 else (1,)):
             L = Layout(dp, z, tp, pp, sched, global_batch // dp // b, cp, impl, ep, ac, b)
-            out += [L] * _fits(s, L, seq_len, p, course)
+            out += [L] * _fits(s, L, seq_len, p, model)  # what composes: 05ja's check, nothing restated
     fits = lambda L: max(memory(s, L, seq_len, p.dtype, k)["total"] for k in {0, L.pp - 1}) * (  # fullest rank;
         L.world if p.shared else 1) <= p.mem_bytes  # on a shared machine all ranks fit its memory together
     return [L for L in out if fits(L) and not (course and trainer_accepts(L, model, seq_len, n_layer))]

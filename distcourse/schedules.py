@@ -218,11 +218,9 @@ def torch_schedule_step(chunks, x, y, # this rank's chunks; the whole batch (B, 
     return loss
 
 # %% ../nbs/05f_schedules.ipynb #d675ac4a
-def check_torch_schedule(name, n_layer, pp, m, tp=1, cp=1): # m: micro-batches per step
+def check_torch_schedule(name, n_layer, pp, m):  # m: micro-batches per step
     "Raise a ValueError, naming the numbers and the fix, when PyTorch's schedule `name` cannot run these settings."
     if name not in TORCH: raise ValueError(f"schedule={name!r}: choose one of {', '.join(TORCH)}")
-    if tp > 1 or cp > 1: raise ValueError(f"{name} runs whole chunks of the course's GPT, not with tp={tp}, "
-                                          f"cp={cp} yet; use tp=1 and cp=1, or schedule 1f1b or gpipe")
     k = 2 * pp  # virtual stages: v = 2 chunks per rank
     if n_layer % k: raise ValueError(f"{name} holds v=2 chunks per rank: n_layer={n_layer} does not split into "
                                      f"pp x 2 = {k} equal chunks; use n_layer {k}, {2 * k} or {3 * k} (a multiple of {k})")

@@ -131,7 +131,7 @@ def config(pages, modules) -> dict:
             "use_directory_urls": False, "theme": {"name": "material", "features": ["navigation.footer"]},
             "markdown_extensions": ["tables", "admonition", "pymdownx.highlight", "pymdownx.superfences"],
             "plugins": [{"mkdocs-jupyter": {"execute": False, "include_source": True, "ignore_h1_titles": False}}],
-            "nav": [{"Home": "index.md"}, {"Lessons": [{f"{n[:3].strip('_')} {t}": f"lessons/{n}.ipynb"}
+            "nav": [{"Home": "index.md"}, {"Lessons": [{f"{n.split('_')[0]} {t}": f"lessons/{n}.ipynb"}
                                                        for n, t in pages.items()]},
                     {"API": [{m: f"api/{m}.md"} for m in modules]}]}
 

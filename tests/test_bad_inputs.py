@@ -166,7 +166,7 @@ CASES = [
                                                       "or --cp_impl ring"]),
     ("pp_1f1b_accum", "--pp 2", ["micro_batches=1 < pp=2", "micro-batches are --grad_accum"]),
     ("mesh_zero", "--tp 2 --zero_stage 1", ["with --zero_stage 1: not supported",
-                                            "leave --zero_stage at 0"]),
+                                            "use --zero_stage 0"]),
     ("pp_schedule", "--pp_schedule zigzag", ["--pp_schedule 'zigzag'", "choose one of gpipe, 1f1b, interleaved"]),
     ("fp16_on_cpu", "--mixed_precision fp16", ["needs a CUDA GPU", "use bf16 or no"]),
     ("tracker", "--tracker bogus", ["--tracker 'bogus'", "choose one of"]),

@@ -62,7 +62,7 @@ BAD = [(["--n_layer", "3", "--pp_schedule", "zbv"], "zbv holds v=2 chunks per ra
        (["--n_layer", "4", "--pp_schedule", "dualpipev", "--grad_accum", "2"], "dualpipev needs micro_batches >= 4"),
        (["--n_layer", "4", "--pp_schedule", "interleaved", "--grad_accum", "5"],
         "interleaved needs micro_batches a multiple of its rounds (micro_batches // pp = 2)"),
-       (["--n_layer", "4", "--pp_schedule", "zb", "--cp", "2"], "zb runs whole chunks of the course's GPT, not with"),
+       (["--n_layer", "4", "--pp_schedule", "zb", "--cp", "2"], "PyTorch's schedules run whole chunks of the course's GPT"),
        (["--n_layer", "4", "--pp_schedule", "zigzag"], "choose one of gpipe, 1f1b, interleaved, zb, zbv, dualpipev")]
 
 
