@@ -76,7 +76,8 @@ def _op(collective, numel, rank, n, device="cpu", group=None):  # device: the ba
     "A function that runs one `collective` on a buffer of `numel` fp32 values (its whole size, as nccl-tests count)."
     x = torch.ones(numel, device=device)
     if collective == "all_reduce": return lambda: dist.all_reduce(x, group=group)
-    if collective == "broadcast": return lambda: dist.broadcast(x, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    if collective == "broadcast":
+        return lambda: dist.broadcast(x, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     if collective == "all_gather":
         part = torch.ones(numel // n, device=device)
         return lambda: dist.all_gather_into_tensor(x, part, group=group)

@@ -37,7 +37,8 @@ COMPILE_MIN_STEPS = 300  # measured on 2 CPU cores: compiling costs 18-31 s and 
 class Config:
     "One training run; YAML keys and CLI flags have these names."
     task: str = "clm"            # clm (causal LM), mlm (masked LM) or cls (sequence classification)
-    model: str = "small"         # a preset (tiny, small, base; tiny-moe, small-moe: lesson 05m), a local directory or a Hub id
+    # a preset (tiny, small, base; tiny-moe, small-moe: lesson 05m), a local directory or a Hub id
+    model: str = "small"
     n_layer: int = 0             # a preset's depth instead of its own (0: the preset's); e.g. --model tiny --n_layer 8
     dataset: str = "stdlib"      # stdlib, a local .txt/.json/.jsonl/.csv file or a Hub dataset id
     tokenizer: str = "stdlib"    # stdlib (BPE trained on the corpus), a local directory or a Hub id
@@ -57,15 +58,21 @@ class Config:
     grads_at: int = 0            # grads_step<N>.pt: step N's full gradients, pre-clip; 0: none
     seed: int = 0                # initial weights, data split and order
     mixed_precision: str = "auto"  # auto (bf16 where the device computes in bf16 natively, else no), no, bf16, fp16
-    compile: str = "auto"        # auto (torch.compile for 300+ steps of a causal LM with DDP: it pays after ~250), true, false
+    # auto (torch.compile for 300+ steps of a causal LM with DDP: it pays after ~250), true, false
+    compile: str = "auto"
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
-    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory, ~1/3 more compute
-    tp: int = 1                  # tensor-parallel degree, also with --cp or --pp (GPT-2, clm); dp = processes / (tp·cp·pp)
-    cp: int = 1                  # context-parallel degree, also with --tp and --pp (seq_len a multiple of 2·cp; ulysses: of cp)
-    cp_impl: str = "ring"        # cp's attention: ring (05h's lean ring, any cp) or ulysses (05i; n_head/tp a multiple of cp)
+    # recompute each block's activations in backward: less memory, ~1/3 more compute
+    activation_checkpointing: bool = False
+    # tensor-parallel degree, also with --cp or --pp (GPT-2, clm); dp = processes / (tp·cp·pp)
+    tp: int = 1
+    # context-parallel degree, also with --tp and --pp (seq_len a multiple of 2·cp; ulysses: of cp)
+    cp: int = 1
+    # cp's attention: ring (05h's lean ring, any cp) or ulysses (05i; n_head/tp a multiple of cp)
+    cp_impl: str = "ring"
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
-    pp_schedule: str = "1f1b"    # gpipe, 1f1b (grad_accum >= pp); PyTorch's interleaved, zb, zbv, dualpipev: v = 2 chunks per rank, n_layer a multiple of 2 x pp, no --tp/--cp
-    ep: int = 1                  # expert-parallel degree (--model tiny-moe|small-moe): each rank 1/ep of the experts; dp = processes
+    pp_schedule: str = "1f1b"    # gpipe, 1f1b (grad_accum >= pp); PyTorch's interleaved, zb, zbv, dualpipev
+    # expert-parallel degree (--model tiny-moe|small-moe): each rank 1/ep of the experts; dp = processes
+    ep: int = 1
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
@@ -141,7 +148,8 @@ def _check_global_batch(path, state, cfg):
     b, ga = state["config"]["batch_size"], state["config"]["grad_accum"]
     split = {"--batch_size {}": cfg.grad_accum * dp, "--grad_accum {}": cfg.batch_size * dp,
              "{} processes": cfg.batch_size * cfg.grad_accum}  # change one factor, keep the other two
-    fixes = [fix.format(g // rest * (inner if "processes" in fix else 1)) for fix, rest in split.items() if g % rest == 0]
+    fixes = [fix.format(g // rest * (inner if "processes" in fix else 1))
+             for fix, rest in split.items() if g % rest == 0]
     what = "processes" if inner == 1 else f"dp replicas of {inner} processes"
     raise ConfigError(f"--resume {path}: saved global batch {g} = {b} x {ga} x {g // (b * ga)} (batch_size x "
                       f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
@@ -177,7 +185,8 @@ def validate(cfg: Config) -> Config:
     def need(ok, msg):
         if not ok: raise ConfigError(msg)
     need(cfg.task in TASKS, f"--task {cfg.task!r}: choose one of {', '.join(TASKS)}")
-    need(cfg.mixed_precision in PRECISIONS, f"--mixed_precision {cfg.mixed_precision!r}: choose one of {', '.join(PRECISIONS)}")
+    need(cfg.mixed_precision in PRECISIONS,
+         f"--mixed_precision {cfg.mixed_precision!r}: choose one of {', '.join(PRECISIONS)}")
     need(cfg.compile in COMPILES, f"--compile {cfg.compile!r}: choose one of {', '.join(COMPILES)}")
     need(cfg.mixed_precision != "fp16" or torch.cuda.is_available(),
          "--mixed_precision fp16 needs a CUDA GPU (on CPU Accelerate silently runs fp32); use bf16 or no")
@@ -190,7 +199,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number, e.g. 1e-3")
     need(cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be positive")
     _check_source("model", cfg.model, (*PRESETS, *MOE_PRESETS))
-    need(not cfg.n_layer or cfg.model in PRESETS, f"--n_layer {cfg.n_layer}: only a preset's depth can change; pass --model one of {', '.join(PRESETS)}, or --n_layer 0")
+    need(not cfg.n_layer or cfg.model in PRESETS, f"--n_layer {cfg.n_layer}: only a preset's depth can change; "
+         f"pass --model one of {', '.join(PRESETS)}, or --n_layer 0")
     _check_source("tokenizer", cfg.tokenizer, ("stdlib", "stdlib-source"))
     _check_source("dataset", cfg.dataset, ("stdlib", "stdlib-source"))
     try: resolve_tracker(cfg.tracker)
@@ -274,9 +284,10 @@ def parse_args(argv=None) -> Config:
     p = _Parser(prog="python -m distcourse.train", allow_abbrev=False,
                 description="Train a transformer LM on one or many processes (see nbs/09a_train.ipynb).")
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML file whose keys are these flags")
-    docs = docments(Config)  # the comment after each field is its --help text
+    docs = docments(Config)  # the comment after (or above) each field is its --help text
     for f in fields(Config):
-        p.add_argument(f"--{f.name}", type=_converter(f), default=argparse.SUPPRESS, metavar=_converter(f).__name__.upper(),
+        p.add_argument(f"--{f.name}", type=_converter(f), default=argparse.SUPPRESS,
+                       metavar=_converter(f).__name__.upper(),
                        help=f"{docs.get(f.name) or ''} (default: {f.default!r})")
     args = vars(p.parse_args(argv))
     values = _read_yaml(Path(args.pop("config"))) if "config" in args else {}

@@ -159,7 +159,8 @@ def _train_bpe(texts,          # a list of strings
     "A byte-level BPE tokenizer trained on `texts`, with our special tokens as ids 0-5."
     specials = list(dict.fromkeys(_SPECIAL_TOKENS.values()))
     if vocab_size < 256 + len(specials):
-        raise ValueError(f"vocab_size={vocab_size}: byte-level BPE needs at least {256 + len(specials)} (256 bytes + specials)")
+        raise ValueError(f"vocab_size={vocab_size}: byte-level BPE needs at least {256 + len(specials)} "
+                         "(256 bytes + specials)")
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
@@ -187,7 +188,8 @@ def get_tokenizer(name="stdlib",      # "stdlib", "stdlib-source", a local data 
         key = name if name in ("stdlib", "stdlib-source") else _file_key(path, text_column)
         out = data_dir() / "tokenizers" / f"{key}-{vocab_size}"
         with _building(out) as tmp:
-            if tmp is not None: _train_bpe(list(load_corpus(name, text_column)[text_column]), vocab_size).save_pretrained(tmp)
+            if tmp is not None:
+                _train_bpe(list(load_corpus(name, text_column)[text_column]), vocab_size).save_pretrained(tmp)
         return PreTrainedTokenizerFast.from_pretrained(str(out))
     if path.is_dir(): tok = AutoTokenizer.from_pretrained(str(path))
     elif _looks_like_path(name): raise FileNotFoundError(

@@ -27,7 +27,8 @@ from .mesh import Mesh
 
 # %% ../nbs/05m_expert_trainer.ipynb #3585e1cd
 class ExpertMesh(Mesh):
-    "One rank of the trainer's MoE GPT: its own sequences (dp = world), 1/ep of each layer's experts, a step equal to one process."
+    """One rank of the trainer's MoE GPT: its own sequences (dp = world), 1/ep of each layer's experts, a step equal
+    to one process."""
     def __init__(self, vocab_size,  # the tokenizer's: rows of the embedding
                  cfg,               # a trainer Config: model (a MOE_PRESETS name), ep, seed, lr, weight_decay,
                                     # warmup_steps, max_steps
@@ -170,7 +171,8 @@ class MoELM(nn.Module):
         self.mesh = mesh  # not a module: the trainer's tools see `whole`'s parameters
         with torch.device("meta"): self.whole = build_moe(mesh.name, mesh.config.vocab_size)  # sizes, no memory
         self.config = SimpleNamespace(model_type="distcourse-moe", preset=mesh.name, **asdict(mesh.config),
-                                      **{k: v for k, v in MOE_PRESETS[mesh.name].items() if k not in asdict(mesh.config)})
+                                      **{k: v for k, v in MOE_PRESETS[mesh.name].items()
+                                         if k not in asdict(mesh.config)})
 
     def forward(self, input_ids, **kw):  # evaluation's call (attention_mask, use_cache: not used)
         for m in moe_layers(self.mesh.model): m.groups = input_ids.size(0)  # per sequence, as in training
@@ -199,9 +201,11 @@ def load_moe(path) -> nn.Module:
 
 # %% ../nbs/05m_expert_trainer.ipynb #57a798d6
 def ep_trainer_worker(out_dir, ep=2, steps=3, rows=4, T=16, vocab=64, grad_accum=2, clip=0.5, seed=0):
-    "Worker, or one process without a group: `ExpertMesh` at degree `ep` on toy global batches; rank 0 writes the results."
+    """Worker, or one process without a group: `ExpertMesh` at degree `ep` on toy global batches; rank 0 writes the
+    results."""
     if os.getenv("WORLD_SIZE") and not dist.is_initialized(): dist.init_process_group("gloo")
-    cfg = SimpleNamespace(model="tiny-moe", ep=ep, seed=seed, lr=3e-3, weight_decay=0.1, warmup_steps=1, max_steps=steps)
+    cfg = SimpleNamespace(model="tiny-moe", ep=ep, seed=seed, lr=3e-3, weight_decay=0.1, warmup_steps=1,
+                          max_steps=steps)
     mesh, memory, grads, res = ExpertMesh(vocab, cfg), {}, {}, {"loss": [], "grad_norm": []}
     batches = iter([{"input_ids": b, "labels": b} for b in toy_batches(steps * grad_accum, rows, T, vocab, seed)])
     def keep(m, step): grads.update(m.full_grads() if step == 1 else {})  # every rank: a collective

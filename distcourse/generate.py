@@ -174,7 +174,8 @@ def main(argv=None):
     "`python -m distcourse.generate --run DIR --prompt TEXT`: print the prompt and a continuation."
     p = _Parser(prog="python -m distcourse.generate", description=main.__doc__)
     p.add_argument("--run", help="a run's output_dir (its model/ is used) or a model/ directory")
-    p.add_argument("--checkpoint", help="a checkpoints/step_<N> directory, or 'latest' (the newest complete one of --run)")
+    p.add_argument("--checkpoint",
+                   help="a checkpoints/step_<N> directory, or 'latest' (the newest complete one of --run)")
     p.add_argument("--prompt", default="", help="text to continue; empty: start a new document")
     p.add_argument("--max_new_tokens", type=int, default=50)
     p.add_argument("--temperature", type=float, default=1.0)

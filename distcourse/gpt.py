@@ -154,7 +154,8 @@ def flops_per_token(model_or_config, # a model (GPT or transformers), a GPTConfi
                                            "pass a GPT, GPT-2 or BERT model or config")
     get_out = getattr(model, "get_output_embeddings", None)  # transformers models; a GPT: its lm_head
     out = get_out() if get_out else getattr(model, "lm_head", None)
-    tables = {id(m.weight): getattr(m.weight, "ds_numel", m.weight.numel()) for m in model.modules()  # looked up, not multiplied: not in N
+    # looked up, not multiplied: not in N
+    tables = {id(m.weight): getattr(m.weight, "ds_numel", m.weight.numel()) for m in model.modules()
               if isinstance(m, nn.Embedding) and m.weight is not getattr(out, "weight", None)}  # unless tied to out
     N = num_params(model) - sum(tables.values())  # a GPT: all parameters but the position embeddings
     return 6 * N + 12 * L * H * (C // H) * seq_len

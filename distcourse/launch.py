@@ -141,8 +141,8 @@ def time_limit(seconds):  # how long the processes started in the body may run b
         if not stacks: raise  # an error of the work itself
         raise TimeoutError(f"processes still running after {seconds:.0f} s were stopped. A hang is most often a "
                            "rank waiting in a collective that another rank never called; if the work is just "
-                           "slow, allow it more time (launch: timeout= or DISTCOURSE_LAUNCH_TIMEOUT). Where each process "
-                           f"waited:\n{stacks[0]}") from None
+                           "slow, allow it more time (launch: timeout= or DISTCOURSE_LAUNCH_TIMEOUT). "
+                           f"Where each process waited:\n{stacks[0]}") from None
     finally: timer.cancel()
 
 def _stacks(processes) -> str:

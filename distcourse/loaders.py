@@ -100,7 +100,8 @@ def prepare_cls(ds, tokenizer, seq_len, text_column="text",
                         return_token_type_ids=False)
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
                 "labels": [batch[label_column][i] for i in keep]}
-    features = Features({"input_ids": Sequence(Value("int32")), "attention_mask": Sequence(Value("int8")), "labels": feat})
+    features = Features({"input_ids": Sequence(Value("int32")), "attention_mask": Sequence(Value("int8")),
+                         "labels": feat})
     return ds.map(encode, batched=True, remove_columns=ds.column_names, features=features, desc="tokenize",
                   new_fingerprint=_prep_fingerprint(ds, tokenizer, "cls", seq_len, text_column, label_column))
 
@@ -121,7 +122,8 @@ def stdlib_cls_dataset(min_chars=40, max_per_class=400, seed=0) -> Dataset:
     for text, pkg in zip(corpus["text"], corpus["package"]):
         if pkg in family: by_class[family[pkg]].append(text)
     rng, rows = random.Random(seed), []
-    for label, docs in enumerate(by_class): rows += [(t, label) for t in rng.sample(docs, min(max_per_class, len(docs)))]
+    for label, docs in enumerate(by_class):
+        rows += [(t, label) for t in rng.sample(docs, min(max_per_class, len(docs)))]
     rng.shuffle(rows)
     features = Features({"text": Value("string"), "label": ClassLabel(names=list(_FAMILIES))})
     return Dataset.from_dict({"text": [t for t, _ in rows], "label": [l for _, l in rows]}, features=features)
@@ -184,11 +186,13 @@ def get_dataloaders(task,            # "clm", "mlm" or "cls"
                     max_examples=None, # keep only this many examples (after a seeded shuffle), before splitting
                     num_workers=0) -> tuple:
     "Train and validation `DataLoader`s for `task`: load, split documents, then tokenize, pack or pad."
-    if task not in TASKS: raise ValueError(f"task={task!r}: choose one of {', '.join(TASKS)} (--task on the command line)")
+    if task not in TASKS:
+        raise ValueError(f"task={task!r}: choose one of {', '.join(TASKS)} (--task on the command line)")
     if batch_size < 1: raise ValueError(f"batch_size={batch_size}: must be at least 1")
     if seq_len < 1: raise ValueError(f"seq_len={seq_len}: must be at least 1")
     ds = _task_data(task, dataset, seed, text_column, label_column)
-    if max_examples: ds = ds.shuffle(seed=seed, keep_in_memory=True).select(range(min(max_examples, len(ds))), keep_in_memory=True)
+    if max_examples:
+        ds = ds.shuffle(seed=seed, keep_in_memory=True).select(range(min(max_examples, len(ds))), keep_in_memory=True)
     splits = split_dataset(ds, val_frac, seed, stratify_column=label_column if task == "cls" else None)
     def prepare(split):
         if task == "clm": return prepare_clm(split, tokenizer, seq_len, text_column)

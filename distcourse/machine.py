@@ -61,7 +61,8 @@ def core_rates(n=512, params=2**22, model="small", n_layer=4, batch=(2, 64)) -> 
         p.grad = torch.randn(params)  # CPU on purpose: one core's rate
         opt = torch.optim.AdamW([p]); opt.step()
         adamw = _best(opt.step) / params
-        cfg = GPTConfig(8192, PRESETS[model]["n_positions"], n_layer, PRESETS[model]["n_head"], PRESETS[model]["n_embd"])
+        cfg = GPTConfig(8192, PRESETS[model]["n_positions"], n_layer, PRESETS[model]["n_head"],
+                        PRESETS[model]["n_embd"])
         gpt, x = GPT(cfg), torch.randint(0, 8192, batch)  # CPU on purpose: one core's rate
         def step(): gpt(x, targets=x)[1].backward()
         step()
@@ -75,7 +76,8 @@ TIMED_GROUPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "sen
 def _group_op(collective, numel, group, n):
     "One `collective` of `numel` fp32 numbers in `group` (n ranks): 03a's `_op`, but send_recv is a ring shift."
     if collective != "send_recv": return _op(collective, numel, dist.get_rank(group), n, group=group)
-    x, buf, r = torch.ones(numel), torch.empty(numel), dist.get_rank(group)  # CPU on purpose: the shared profile is gloo's
+    # CPU on purpose: the shared profile is gloo's
+    x, buf, r = torch.ones(numel), torch.empty(numel), dist.get_rank(group)
     peer = lambda k: dist.get_global_rank(group, k % n)  # each rank sends to the next, receives from the previous
     ops = lambda: [dist.P2POp(dist.isend, x, peer(r + 1), group), dist.P2POp(dist.irecv, buf, peer(r - 1), group)]
     return lambda: [q.wait() for q in dist.batch_isend_irecv(ops())]
@@ -100,6 +102,7 @@ def group_worker(out_dir, sizes, ops=10, repeats=3):
                 rows.append({"collective": c, "bytes": 4 * numel, "group": n, "seconds": t.item()})
     if rank == 0: Path(out_dir, f"groups-{world}.json").write_text(json.dumps(rows))
     dist.barrier()
+
 def measure_groups(worlds=(2, 4), sizes=(64, 1024, 16384, 262144, 4194304), ops=10, repeats=3) -> dict:
     "{processes: rows} of group_worker, each world size its own launch (02a's), gloo on this machine's CPU."
     from distcourse.launch import launch
@@ -118,13 +121,16 @@ def calibrate(worlds=(2, 4), source="") -> Profile:
     return Profile("measured", 1, rates["mm_flops"] * cores, rates["mm_frac"], mem, (0, 1), (0, 1), "fp32", 0.0,
                    True, measure_groups(worlds), cores, rates["adamw_s"], source or
                    f"calibrated: core_rates() on 1 of {cores} cores, measure_groups({worlds})")
+
 def load_profile(name) -> Profile:
     "h100-node, a100-node, measured (benchmarks/plan_profile.json, else calibrated now) or a JSON file of a Profile."
     if name in PROFILES: return PROFILES[name]
-    path = Path(distcourse.__file__).parent.parent / "benchmarks/plan_profile.json" if name == "measured" else Path(name)
+    path = (Path(distcourse.__file__).parent.parent / "benchmarks/plan_profile.json" if name == "measured"
+            else Path(name))
     if name == "measured" and not path.exists(): return calibrate()
     if not path.exists(): raise ValueError(f"--profile {name}: not {', '.join(PROFILES)}, measured, nor a JSON file")
     return Profile(**json.loads(path.read_text()))  # its links as [latency, bandwidth] lists
+
 def collective_s(p: Profile, collective, nbytes, n, across=False, world=None) -> float:
     "Seconds of one `collective` of `nbytes` in a group of `n` (of `world` processes): measured table, else α-β."
     if n <= 1 or nbytes <= 0: return 0.0

@@ -125,8 +125,10 @@ def build_model(name="tiny",      # a preset (tiny, small, base), a directory sa
         raise ValueError(f"task={task!r}: choose one of {', '.join(TASKS)} (--task on the command line)")
     if task == "cls" and num_labels is None and not _saved_classifier(name):
         raise ValueError("task='cls' needs num_labels, the number of classes: build_model(..., num_labels=9)")
-    if name in PRESETS: model = _from_preset(name, task, arch or _DEFAULT_ARCH[task], tokenizer, vocab_size, num_labels, n_layer)
-    else: model = _from_pretrained(name, task, num_labels)  # the checkpoint decides the architecture
+    if name in PRESETS:
+        model = _from_preset(name, task, arch or _DEFAULT_ARCH[task], tokenizer, vocab_size, num_labels, n_layer)
+    else:
+        model = _from_pretrained(name, task, num_labels)  # the checkpoint decides the architecture
     if task == "cls": _set_pad_token(model, tokenizer)
     if task == "clm" and getattr(model, "loss_type", "") is None:  # "GPT2LMHeadModel" names no loss type, and
         model.loss_type = "ForCausalLM"  # transformers 5 would warn that it falls back to this one, its only choice

@@ -76,7 +76,8 @@ def push_to_hub(model_dir,     # a saved model: a run's model/ (config.json, wei
     keep = f"nothing was uploaded; the model stays in {model_dir}"
     if hub_offline(): raise ValueError(f"cannot push to {repo_id}: the Hub is offline (HF_HUB_OFFLINE=1); {keep}")
     if not os.environ.get("HF_TOKEN"):
-        raise ValueError(f"cannot push to {repo_id}: set HF_TOKEN in the environment to a token with write access; {keep}")
+        raise ValueError(f"cannot push to {repo_id}: set HF_TOKEN in the environment to a token with write "
+                         f"access; {keep}")
     from huggingface_hub import HfApi
     api = HfApi(token=os.environ["HF_TOKEN"])
     try:

@@ -43,7 +43,9 @@ class Shape:
     moe_every: int = 1         # every k-th block's MLP is a MoE
     megatron: bool = False     # tp also splits the tables and the sequence (05d); the course's tp copies them
     gpt2 = property(lambda self: not (self.d_ff or self.n_kv_head), doc="GPT-2-like: no SwiGLU, no GQA")
-    def config(self) -> GPTConfig: return GPTConfig(self.vocab_size, self.n_positions, self.n_layer, self.n_head, self.n_embd)
+    def config(self) -> GPTConfig:
+        return GPTConfig(self.vocab_size, self.n_positions, self.n_layer, self.n_head, self.n_embd)
+
 def shape_of(name, n_layer=0, vocab_size=8192) -> Shape:
     "The Shape of a course preset (tiny, small, base, tiny-moe, small-moe), its depth changed by `n_layer`."
     p = PRESETS.get(name) or MOE_PRESETS.get(name)
@@ -53,12 +55,15 @@ def shape_of(name, n_layer=0, vocab_size=8192) -> Shape:
 
 # %% ../nbs/09c_plan.ipynb #418331ea
 def block_params(s: Shape) -> dict:
-    "One dense block's parameters: 'split' (cut by tp), 'mlp' (cut by tp; one expert), 'copied' (whole on every tp rank)."
+    """One dense block's parameters: 'split' (cut by tp), 'mlp' (cut by tp; one expert), 'copied' (whole on every tp
+    rank)."""
     C, b = s.n_embd, int(s.gpt2)  # GPT-2 has biases and LayerNorm shifts; Llama has neither
     kv = (s.n_kv_head or s.n_head) * C // s.n_head  # k and v widths (grouped-query attention: narrower)
     attn = C * (C + 2 * kv) + C * C + b * (C + 2 * kv)  # q, k, v and the output projection; q, k, v biases
     mlp = 8 * C * C + b * 4 * C if s.gpt2 else 3 * C * s.d_ff  # c_fc's bias is split, c_proj's copied
-    return {"split": attn, "mlp": mlp, "copied": 2 * (1 + b) * C + 2 * b * C, "expert": mlp + b * C}  # 2 norms, 2 biases
+    return {"split": attn, "mlp": mlp, "copied": 2 * (1 + b) * C + 2 * b * C,  # 2 norms, 2 biases
+            "expert": mlp + b * C}
+
 def n_params(s: Shape) -> dict:
     "Parameters of the whole model: total, and active (what one token's forward uses)."
     blk, C, b, n_moe = block_params(s), s.n_embd, int(s.gpt2), (s.n_expert > 1) * s.n_layer // s.moe_every
@@ -66,6 +71,7 @@ def n_params(s: Shape) -> dict:
     dense += s.n_layer * (blk["split"] + blk["mlp"] + blk["copied"])
     extra = lambda k: n_moe * ((k - 1) * blk["expert"] + C * s.n_expert)  # experts and a router per MoE block
     return {"total": dense + extra(s.n_expert), "active": dense + extra(s.top_k)}
+
 @lru_cache(maxsize=None)
 def flops_token(s: Shape, seq_len) -> float:
     "Training FLOPs per token: 01a's flops_per_token (dense GPT-2), 05j's (MoE), the same count for Llama-like."
@@ -92,7 +98,8 @@ class Layout:
     def __str__(self):
         s = f"dp{self.dp}" + f" z{self.zero_stage}" * (self.zero_stage > 0) + f" tp{self.tp}" * (self.tp > 1)
         s += f" pp{self.pp} {self.pp_schedule}" * (self.pp > 1) + f" cp{self.cp} {self.cp_impl}" * (self.cp > 1)
-        return s + f" ep{self.ep}" * (self.ep > 1) + " ac" * self.activation_checkpointing + f" b{self.batch_size}x{self.grad_accum}"
+        return (s + f" ep{self.ep}" * (self.ep > 1) + " ac" * self.activation_checkpointing
+                + f" b{self.batch_size}x{self.grad_accum}")
 
 # %% ../nbs/09c_plan.ipynb #9835ecff
 HAND_OF = {"zb": "zb-h1", "zbv": "zb-h1", "dualpipev": "zb-h1"}  # PyTorch's, as the 05f schedule they resemble
@@ -140,7 +147,8 @@ def memory(s: Shape, L: Layout, seq_len, dtype="fp32", stage=0) -> dict:
            "logits (log-softmax, kept)": logits, "loss backward (2 logits-sized)": 2 * logits}
     P, N, z, root = rank_params(s, L, stage), L.dp, L.zero_stage, (s.vocab_size + s.n_positions + 2) * C
     out |= {"ZeRO 1's flat fp32 and gradient slices (05a)": 2 * 4 * P / N * (z == 1),  # 05's zero_peak_bytes terms
-            "FSDP2's root and one block, gathered": D * (root + sum(block_params(s)[k] for k in ("split", "mlp", "copied"))) * (z == 3)}
+            "FSDP2's root and one block, gathered":
+                D * (root + sum(block_params(s)[k] for k in ("split", "mlp", "copied"))) * (z == 3)}
     step = ("params", "grads", "optimizer", "AdamW's sqrt and denominator (05)", "DDP's gradient buckets",
             "ZeRO 1's flat fp32 and gradient slices (05a)")
     backward = sum(out.values()) - sum(out[k] for k in step[2:]) - out["grads"] * (L.grad_accum == 1)
@@ -187,6 +195,7 @@ def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
 def n_tensors(s: Shape, L: Layout, stage=0) -> int:
     "Parameter tensors a rank of `stage` holds: a block's 12 (GPT-2) or 9 (Llama); 2 tables, the final norm's 2."
     return -(-s.n_layer // L.pp) * (12 if s.gpt2 else 9) + 2 * (stage == 0) + 2 * (stage == L.pp - 1)
+
 def dp_messages(s: Shape, L: Layout, nbytes) -> list:
     "(collective, bytes, group size, calls) of one step's gradient reduction and ZeRO's gathers, the trainer's."
     if L.tp * L.pp * L.cp > 1:  # 05k: each gradient tensor on its own, summed over dp, then over cp
@@ -198,6 +207,7 @@ def dp_messages(s: Shape, L: Layout, nbytes) -> list:
             [("all_gather", nbytes / units, L.dp, units), ("reduce_scatter", nbytes / units, L.dp, units * m)],
             [("all_gather", nbytes / units, L.dp, 2 * units * m), ("reduce_scatter", nbytes / units, L.dp, units * m)],
             ][L.zero_stage]
+
 def shared_step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     "step_time on a CPU whose cores every rank shares: the machine's work over its cores, then each blocking call."
     D, b, t, m, C, W = 4 if p.dtype == "fp32" else 2, L.batch_size, seq_len // L.cp, L.grad_accum, s.n_embd, L.world
@@ -210,7 +220,8 @@ def shared_step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     slowest = (body / W + heads / (L.dp * L.cp * L.tp)) / core / threads / (1 - f)  # a last stage, and its bubble
     c = lambda name, nbytes, n: collective_s(p, name, nbytes, n, world=W)
     blocks, act = -(-s.n_layer // L.pp), D * b * t * C
-    cp = 2 * (L.cp - 1) * c("send_recv", 2 * act / L.tp, L.cp) if L.cp_impl == "ring" else 8 * c("all_to_all", act / L.tp, L.cp)
+    cp = (2 * (L.cp - 1) * c("send_recv", 2 * act / L.tp, L.cp) if L.cp_impl == "ring"
+          else 8 * c("all_to_all", act / L.tp, L.cp))
     pp = 2 * m * min(2, L.pp - 1) * c("send_recv", act, L.pp) + s.gpt2 * c("all_reduce", D * s.vocab_size * C, 2)
     return {"compute": machine, "bubble": max(0.0, slowest - machine),
             "tp": (4 * blocks * m + 1) * c("all_reduce", act, L.tp), "cp": blocks * m * cp * (L.cp > 1),
@@ -254,7 +265,8 @@ def plan(s: Shape, world, global_batch, seq_len, p: Profile, **kw) -> list:
 # %% ../nbs/09c_plan.ipynb #218baa77
 def flags(L: Layout, model=None, seq_len=None, n_layer=0, dtype="fp32") -> list:
     "The trainer's flags for `L` (defaults left out), after --model, --n_layer and --seq_len when given."
-    out = {"model": model, "n_layer": n_layer, "seq_len": seq_len, "mixed_precision": "no" if dtype == "fp32" else "bf16"}
+    out = {"model": model, "n_layer": n_layer, "seq_len": seq_len,
+           "mixed_precision": "no" if dtype == "fp32" else "bf16"}
     keep = {"pp_schedule": L.pp > 1, "cp_impl": L.cp > 1, "batch_size": True, "grad_accum": True, "dp": False}
     out |= {f.name: getattr(L, f.name) for f in fields(Layout) if keep.get(f.name, getattr(L, f.name) != f.default)}
     return [s for k, v in out.items() if v for s in (f"--{k}", str(v).lower())]

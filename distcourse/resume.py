@@ -75,7 +75,8 @@ def main(argv=None):
     restart = os.getenv("TORCHELASTIC_RESTART_COUNT", "0")  # set by torchrun: 0, then 1 after a restart
     print(f"rank {os.getenv('RANK', '0')}: pid {os.getpid()}, restart {restart}", flush=True)
     resumable_worker(**args)
-    if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()  # leave together: exiting alone can abort a rank
+    # leave together: exiting alone can abort a rank
+    if dist.is_initialized(): dist.barrier(); dist.destroy_process_group()
 
 # %% ../nbs/07a_resume.ipynb #a259fa6b
 class ShardedState:

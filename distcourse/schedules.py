@@ -222,10 +222,12 @@ def check_torch_schedule(name, n_layer, pp, m):  # m: micro-batches per step
     "Raise a ValueError, naming the numbers and the fix, when PyTorch's schedule `name` cannot run these settings."
     if name not in TORCH: raise ValueError(f"schedule={name!r}: choose one of {', '.join(TORCH)}")
     k = 2 * pp  # virtual stages: v = 2 chunks per rank
-    if n_layer % k: raise ValueError(f"{name} holds v=2 chunks per rank: n_layer={n_layer} does not split into "
-                                     f"pp x 2 = {k} equal chunks; use n_layer {k}, {2 * k} or {3 * k} (a multiple of {k})")
+    if n_layer % k:
+        raise ValueError(f"{name} holds v=2 chunks per rank: n_layer={n_layer} does not split into pp x 2 = {k} "
+                         f"equal chunks; use n_layer {k}, {2 * k} or {3 * k} (a multiple of {k})")
     least = k if name == "dualpipev" else pp  # DualPipeV: at least one micro-batch per virtual stage
-    if m < least: raise ValueError(f"{name} needs micro_batches >= {least}: micro_batches={m}; pass micro_batches={least}")
+    if m < least:
+        raise ValueError(f"{name} needs micro_batches >= {least}: micro_batches={m}; pass micro_batches={least}")
     if name in ("interleaved", "zb") and m % (m // pp):  # PyTorch's rounds of pp micro-batches each
         raise ValueError(f"{name} needs micro_batches a multiple of its rounds (micro_batches // pp = {m // pp}): "
                          f"micro_batches={m}; pass micro_batches={pp * (m // pp)}")

@@ -48,7 +48,8 @@ def resolve_tracker(name="auto") -> list:
 # %% ../nbs/08_tracking.ipynb #a24fec2a
 def flat_config(config, # a run's settings, e.g. `dataclasses.asdict(cfg)`
                 prefix="") -> dict:
-    "`config` as TensorBoard hparams: nested dicts become 'a/b' keys, values other than numbers and strings become strings."
+    """`config` as TensorBoard hparams: nested dicts become 'a/b' keys, values other than numbers and strings become
+    strings."""
     out = {}
     for k, v in config.items():
         if isinstance(v, dict): out.update(flat_config(v, f"{prefix}{k}/"))
@@ -63,7 +64,8 @@ def start_tracking(accelerator,  # made with `log_with=resolve_tracker(...) or N
     kwargs = {}
     if "wandb" in map(str, accelerator.log_with):
         kwargs["wandb"] = {"dir": str(accelerator.project_dir or ".")}
-        if not os.environ.get("WANDB_API_KEY"): kwargs["wandb"]["mode"] = "offline"  # no key: nothing leaves the machine
+        if not os.environ.get("WANDB_API_KEY"):  # no key: nothing leaves the machine
+            kwargs["wandb"]["mode"] = "offline"
     accelerator.init_trackers(project_name, config=flat_config(config or {}), init_kwargs=kwargs)
 
 # %% ../nbs/08_tracking.ipynb #2627e757

@@ -47,7 +47,8 @@ def _start(cfg):
     precision, _ = resolve_precision(cfg.mixed_precision, "cuda" if torch.cuda.is_available() else "cpu")
     try: acc = make_accelerator(mixed_precision=precision, log_with=resolve_tracker(cfg.tracker) or None,
                                 project_dir=cfg.output_dir)  # TensorBoard writes into output_dir/distcourse/
-    except WorldSizeError as e: raise ConfigError(f"launch: {e}") from None  # e.g. --num_processes 2 without --multi_gpu
+    except WorldSizeError as e:  # e.g. --num_processes 2 without --multi_gpu
+        raise ConfigError(f"launch: {e}") from None
     try:
         check_stage(acc, cfg.zero_stage)
         check_output_dir(cfg.output_dir)  # on every rank: all fail alike, before any data is read
@@ -110,7 +111,8 @@ def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this 
     "What the run chose for speed (precision, torch.compile, threads per process) and why: for run.json."
     device = accelerator.device.type
     if cfg.compile != "auto": compiled, why = cfg.compile == "true", "asked for"
-    elif cfg.task != "clm" or cfg.zero_stage or cfg.mesh: compiled, why = False, "auto: only a causal LM under DDP is compiled"
+    elif cfg.task != "clm" or cfg.zero_stage or cfg.mesh:
+        compiled, why = False, "auto: only a causal LM under DDP is compiled"
     elif cfg.activation_checkpointing: compiled, why = False, "auto: not with activation checkpointing"
     else:
         compiled = steps >= COMPILE_MIN_STEPS
@@ -176,7 +178,8 @@ def train(config=None, **overrides) -> dict:
     after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
                   lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
     memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
-    extra = {"zero_stage": cfg.zero_stage, "parallel": {"dp": acc.num_processes, "tp": 1, "pp": 1, "cp": 1, "cp_impl": None},
+    extra = {"zero_stage": cfg.zero_stage,
+             "parallel": {"dp": acc.num_processes, "tp": 1, "pp": 1, "cp": 1, "cp_impl": None},
              "memory": memory, "utilisation": meter.summary(run, memory), "resumed_from": resumed,
              "choices": chose, "threads_per_process": chose["threads"]["threads_per_process"]}
     return _finish(acc, cfg, run, model, tok, before, after, len(val_dl.dataset), extra)
@@ -187,7 +190,8 @@ def _train_mesh(cfg) -> dict:
     acc = _start(cfg)
     set_seed(cfg.seed)
     tok, train_dl, val_dl, hf = _setup(cfg, acc)
-    mesh = Mesh(hf, cfg, acc.autocast, acc.device) if hf is not None else ExpertMesh(len(tok), cfg, acc.autocast, acc.device)  # its piece and batches on this process's device
+    mesh = (Mesh(hf, cfg, acc.autocast, acc.device) if hf is not None  # its piece and batches on this process's device
+            else ExpertMesh(len(tok), cfg, acc.autocast, acc.device))
     meter = Meter(acc, mesh.hf, cfg.seq_len, global_batches=True)  # MFU: the whole model's FLOPs, the global batch
     if hf is None: mesh.count_active(meter)  # a token runs top_k experts: the active parameters' FLOPs
     acc.register_for_checkpointing(MeshState(mesh))  # each rank's piece, saved with dcp (the resharding lesson)

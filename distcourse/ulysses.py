@@ -35,7 +35,8 @@ def check_ulysses(n_head,        # query heads of the model
 
 # %% ../nbs/05i_ulysses.ipynb #fefbf81f
 def _count_sent(stats, key, piece, n):
-    "Count one collective in `stats[key]` and the bytes of `n` pieces like `piece` this rank sends in `stats[key + '_bytes']`."
+    """Count one collective in `stats[key]` and the bytes of `n` pieces like `piece` this rank sends in
+    `stats[key + '_bytes']`."""
     if stats is None: return
     stats[key] = stats.get(key, 0) + 1
     stats[key + "_bytes"] = stats.get(key + "_bytes", 0) + n * piece.numel() * piece.element_size()
@@ -61,7 +62,8 @@ class _AllToAll(torch.autograd.Function):
         return _a2a(grad, gather, scatter, ctx.group, ctx.stats, "grad_a2a"), None, None, None, None
 
 def all_to_all(x, scatter, gather, group=None, stats=None) -> torch.Tensor:  # stats: a dict to count in
-    "Differentiable all-to-all: `x` cut along dim `scatter` across the ranks, the pieces received joined along `gather`."
+    """Differentiable all-to-all: `x` cut along dim `scatter` across the ranks, the pieces received joined along
+    `gather`."""
     return _AllToAll.apply(x, scatter, gather, group or dist.group.WORLD, stats)
 
 # %% ../nbs/05i_ulysses.ipynb #9f895f2f
@@ -79,7 +81,8 @@ def ulysses_attention(q, k, v,     # (B, nh, T/cp, hs): this rank's contiguous c
     return all_to_all(y, 2, 1, group, stats)                          # (B, nh, T/cp, hs): my tokens, all heads
 
 def ulysses_bytes(B, n_head, T, hs, cp, itemsize=4, backward=False, n_kv_head=None) -> int:
-    "Bytes one rank sends in Ulysses' all-to-alls: q, k, v and out, each (cp-1)/cp of its B·nh·(T/cp)·hs; x2 with backward."
+    """Bytes one rank sends in Ulysses' all-to-alls: q, k, v and out, each (cp-1)/cp of its B·nh·(T/cp)·hs; x2 with
+    backward."""
     heads = 2 * n_head + 2 * (n_kv_head or n_head)  # q and out have n_head heads, k and v n_kv_head
     return (2 if backward else 1) * heads * B * (T // cp) * hs * itemsize // cp * (cp - 1)
 

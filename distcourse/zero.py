@@ -274,7 +274,8 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
     for stage in stages:
         net, opt = prepare_zero(acc, copy.deepcopy(base), stage, lr, zero1=ZERO1[zero1], zero2=ZERO2[zero2])
         if stage < 2: net.register_comm_hook(None, allreduce_hook)  # DDP's all-reduce, through Python: countable
-        if sync_each and stage >= 2 and zero2 == "fsdp": net.set_requires_gradient_sync = lambda *a, **k: None  # ignored
+        if sync_each and stage >= 2 and zero2 == "fsdp":
+            net.set_requires_gradient_sync = lambda *a, **k: None  # ignored
         sched, mem, comm, hist = make_scheduler(opt, 1, steps), track_memory(net, opt), {}, []
         batches, first = epochs(train_dl), {}
         def keep_grads(model):  # step 1's whole gradients, reduced, before clipping (a collective)
@@ -293,8 +294,7 @@ def zero_worker(out_dir, stages=STAGES, steps=4, batch_size=8, seq_len=32, lr=3e
         weights, mems = full_state_dict(acc.unwrap_model(net)), [None] * acc.num_processes
         if stage == stages[0]: ref = weights  # the first stage run is the reference
         dist.all_gather_object(mems, mem)     # every rank's counts, to rank 0
-        res[stage] = {"losses": [h["loss"] for h in hist], "grad_norms": [h["grad_norm"] for h in hist],
-                      "memory": mems, "comm": comm,
-                      "weight_diff": max((weights[k] - ref[k]).abs().max().item() for k in ref)}
+        res[stage] = {"losses": [h["loss"] for h in hist], "grad_norms": [h["grad_norm"] for h in hist], "memory": mems,
+                      "comm": comm, "weight_diff": max((weights[k] - ref[k]).abs().max().item() for k in ref)}
     if acc.is_main_process: Path(out_dir, "zero.json").write_text(json.dumps(res))
     dist.barrier()  # rank 0 has written before any process exits

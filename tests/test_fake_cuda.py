@@ -62,6 +62,7 @@ from distcourse.checkpoint import DataStream
 from distcourse.config import Config
 from distcourse.ddp import train_steps
 from distcourse.launch import _fresh_accelerate_state, make_accelerator
+from distcourse.layout import ParallelDims, build_mesh
 from distcourse.loop import make_scheduler
 from distcourse.evaluation import evaluate_distributed
 from distcourse.memory import _inner, track_memory
@@ -199,8 +200,9 @@ def dry_step(hf, layout, rank) -> tuple:
                                warmup_steps=1, max_steps=4))
     dist.init_process_group(f"cpu:fake,{GPU}:fake", store=FakeStore(), rank=rank, world_size=WORLD)
     try:
+        device_mesh = build_mesh(ParallelDims(WORLD, tp=tp, cp=cp, pp=pp))  # its rank tables: real, not fake
         with DryRun(allow_non_fake_inputs=True):
-            mesh = Mesh(hf, cfg, device=GPU)
+            mesh = Mesh(hf, cfg, device=GPU, device_mesh=device_mesh)
             dp, m = mesh.d["dp"], max(pp, 1)  # 1F1B needs as many micro-batches as stages
             batch = {k: torch.randint(0, 128, (2 * dp, T)) for k in ("input_ids", "labels")}  # CPU
             out = mesh.step([mesh.rows(batch) for _ in range(m)])

@@ -34,6 +34,30 @@ def test_module_size(path):
     assert n <= 300, f"{path.name} has {n} lines; split it (one concern per module, at most 300 lines)"
 
 
+def long_lines(source, limit=120) -> list:
+    "Numbers of the lines over `limit` columns, but for nbdev's line 1 (the lesson's description) and `__all__`."
+    out, in_all = [], False
+    for i, line in enumerate(source.splitlines(), 1):
+        in_all = in_all or line.startswith("__all__ = [")
+        if i > 1 and not in_all and len(line) > limit: out.append(i)
+        if in_all and line.rstrip().endswith("]"): in_all = False  # the block's last line
+    return out
+
+
+def test_long_lines_are_found():
+    src = ('"""' + "d" * 130 + '"""\n' + "__all__ = ['" + "a" * 120 + "',\n           '" + "b" * 120 + "']\n"
+           + "x = 1" + " " * 120 + "\n")
+    assert long_lines(src) == [4]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.stem)
+def test_line_length(path):
+    bad = long_lines(path.read_text())
+    assert not bad, (f"{path.name} lines {bad} are over 120 columns: wrap them in the export cell of "
+                     f"nbs/{OWNER[path.stem]}.ipynb (inside parentheses, a trailing comment on its own line above), "
+                     f"then run nbdev_export")
+
+
 def unused_imports(source) -> list:
     "Names a module imports at its top level and never uses (nor lists in __all__)."
     tree = ast.parse(source)
