@@ -92,8 +92,6 @@ _CHUNKS_WHY = "PyTorch's schedules run whole chunks of the course's GPT, not its
 REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the one place they live.
     ("mesh", "zero_stage"): "not supported on the mesh yet: its ranks step their own pieces with whole AdamW "
                             "states, where ZeRO (05a) shards one whole model's",
-    ("mesh", "activation_checkpointing"): "not supported on the mesh yet: its pieces run their own forwards "
-                                          "(tp copies, stages, cp attention), not 05b's checkpointed blocks",
     ("mesh", "task"): "the mesh trains the course's causal GPT (a GPT-2 preset, converted by 01a's to_gpt)",
     ("mesh", "model"): "the mesh trains the course's GPT, converted from the GPT-2 presets by 01a's to_gpt",
     ("torch_schedule", "tp"): _CHUNKS_WHY,

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from fastcore.basics import patch
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from .context_parallel import seq_positions
@@ -23,7 +24,7 @@ from .loaders import EpochSampler
 from .loop import make_optimizer, make_scheduler
 from .memory import peak_first_step
 from .pipeline import GPTStage, bubble_fraction, pipeline_step
-from .recompute import measure_saved_bytes, tp_seed
+from .recompute import checkpoint_blocks, measure_saved_bytes, tp_seed
 from .ring_memory import lean_ring_attention
 from .schedules import TORCH, Chunks
 from .tensor_parallel import gather_full_state, is_split, tensor_parallel
@@ -70,14 +71,21 @@ def _cp_attention(attn, x, group, impl):  # attn: a block's (or 05c's tp) attent
     y = CP_ATTENTION[impl](q, k, v, group).transpose(1, 2).flatten(2)  # (B, T/cp, this rank's heads·hs)
     return attn.resid_dropout(attn.c_proj(y))  # under tp, c_proj sums the heads of every tp rank
 
-def _cp_run(piece, x, group, impl):  # piece: the GPT or a GPTStage; x: (b, T/cp) ids, or (b, T/cp, C) from a stage
+def _cp_block(block, x, group, impl):  # x: (b, T/cp, C)
+    "One block on this rank's chunk: its attention over the whole sequence (`impl`), then its MLP."
+    x = x + _cp_attention(block.attn, block.ln_1(x), group, impl)
+    return x + block.mlp(block.ln_2(x))  # (b, T/cp, C)
+
+
+def _cp_run(piece, x, group, impl,  # piece: the GPT or a GPTStage; x: (b, T/cp) ids, or (b, T/cp, C)
+            ac=False):  # recompute each block in backward (05b); cp has no dropout, so no mask to replay
     "`piece`'s forward on this rank's chunk, attention over the whole sequence: logits (b, T/cp, V), or (b, T/cp, C)."
     tr, r, cp = piece.transformer, dist.get_rank(group), dist.get_world_size(group)
     if getattr(piece, "is_first", True):
         x = tr.drop(tr.wte(x) + tr.wpe(seq_positions(x.size(1) * cp, r, cp, CP_IMPLS[impl], x.device)))
     for block in tr.h.children():  # the GPT's ModuleList or a stage's ModuleDict, in order
-        x = x + _cp_attention(block.attn, block.ln_1(x), group, impl)
-        x = x + block.mlp(block.ln_2(x))  # (b, T/cp, C)
+        run = partial(_cp_block, block, group=group, impl=impl)
+        x = checkpoint(run, x, use_reentrant=False) if ac else run(x)  # recomputed: its ring or all-to-all too
     return piece.lm_head(tr.ln_f(x)) if getattr(piece, "is_last", True) else x
 
 class Mesh:
@@ -85,7 +93,8 @@ class Mesh:
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
                  cfg,             # a trainer Config, or anything with its tp, pp, cp (checked),
                                   # pp_schedule, lr, weight_decay, warmup_steps and max_steps;
-                                  # seed (0 if none): the tp dropout state's; cp_impl ("ring" if none)
+                                  # seed (0 if none): the tp dropout state's; cp_impl ("ring" if none);
+                                  # activation_checkpointing (False if none)
                  autocast=nullcontext,  # a context for the forward, e.g. `accelerator.autocast`
                  device=None,  # where the piece and its batches live, e.g. `accelerator.device`;
                                # None: where `hf`'s parameters are
@@ -104,6 +113,8 @@ class Mesh:
         self.dp_rank = self.g["dp_ranks"].index(rank)
         gpt, self.timeline, self.seed = to_gpt(hf), [], getattr(cfg, "seed", 0)
         self.model = tensor_parallel(gpt, self.g["tp"], self.seed) if d["tp"] > 1 else gpt  # cp: _cp_run
+        self.ac = getattr(cfg, "activation_checkpointing", False)  # 05b's blocks, before any stage takes them
+        checkpoint_blocks(self.model, self.ac)  # a tp block replays its heads' dropout state (05b)
         self.rng = getattr(self.model, "rng", None)  # tp: the split heads' dropout state, seeded per rank
         if d["pp"] > 1 and self.schedule in TORCH:  # PyTorch's schedules: this rank's v = 2 chunks (05f)
             self.model = Chunks(gpt, self.g["pp_ranks"].index(rank), d["pp"], self.schedule)  # no tp, cp
@@ -112,7 +123,8 @@ class Mesh:
             self.model = GPTStage(gpt, self.g["pp_ranks"].index(rank), d["pp"])
             for i in self.model.layers: self.model.transformer.h[str(i)] = blocks[i]
         self.model.to(self.device)  # built on the CPU and split, then moved: the piece only
-        if d["cp"] > 1: self.model.forward = partial(_cp_run, self.model, group=self.g["cp"], impl=self.cp_impl)
+        if d["cp"] > 1:
+            self.model.forward = partial(_cp_run, self.model, group=self.g["cp"], impl=self.cp_impl, ac=self.ac)
         # the logits' gradient x local/n: it reaches every stage and cp rank
         if d["pp"] > 1 and self.model.is_last and self.schedule not in TORCH:
             self.model.lm_head.register_full_backward_pre_hook(lambda module, grad: (grad[0] * self.scale,))

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.fast  # parsing, planning and a fake process group: sec
 
 CASES = {  # a row of REFUSED -> (processes, flags) that use exactly that pair
     ("mesh", "zero_stage"): (4, ["--tp", "2", "--zero_stage", "1"]),
-    ("mesh", "activation_checkpointing"): (2, ["--tp", "2", "--activation_checkpointing", "true"]),
     ("mesh", "task"): (2, ["--tp", "2", "--task", "mlm"]),
     ("mesh", "model"): (2, ["--tp", "2", "--model", "{gpt2}"]),
     ("torch_schedule", "tp"): (4, ["--tp", "2", "--pp", "2", "--n_layer", "4", "--pp_schedule", "zb",
@@ -85,7 +84,7 @@ def test_a_restated_rule_is_caught(monkeypatch, tmp_path):
 
 PLANNED = {  # a row -> (model, a property of a layout that only the row keeps out of the planner's list)
     ("mesh", "zero_stage"): ("small", lambda L: L.tp > 1 and L.zero_stage > 0),
-    ("mesh", "activation_checkpointing"): ("small", lambda L: L.pp > 1 and L.activation_checkpointing),
+    ("torch_schedule", "tp"): ("small", lambda L: L.tp > 1 and L.pp_schedule not in ("gpipe", "1f1b")),
     ("experts", "tp"): ("tiny-moe", lambda L: L.tp > 1),
 }
 

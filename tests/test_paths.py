@@ -19,6 +19,7 @@ ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--n_layer", "4", "--max_st
 WHOLE, HALF = ["--batch_size", "4", "--grad_accum", "4"], ["--batch_size", "2", "--grad_accum", "4"]
 MOE = ["--model", "tiny-moe", "--n_layer", "0"]  # its preset depth (2 blocks)
 FP32, BF16 = ["--mixed_precision", "no"], ["--mixed_precision", "bf16"]
+AC = ["--activation_checkpointing", "true"]
 # Measured 2026-11-28 on 2 CPU cores, fp32: losses within 2e-7, norms within 2e-7 relative, every tensor of step 1
 # within 2e-6 of its own norm (the worst: a LayerNorm bias, summed in another order).
 LOSS_TOL = NORM_TOL = 1e-5
@@ -36,8 +37,8 @@ PATHS = {
     "cp2 ring": (2, [*WHOLE, "--cp", "2", "--cp_impl", "ring"], "one", "fast"),
     "cp2 ulysses": (2, [*WHOLE, "--cp", "2", "--cp_impl", "ulysses"], "one", "fast"),
     "ep2": (2, [*MOE, *HALF, "--ep", "2"], "one moe", "fast"),
-    "ac": (1, [*WHOLE, "--activation_checkpointing", "true"], "one", "fast"),
-    "dp2 ac": (2, [*HALF, "--activation_checkpointing", "true"], "one", "full"),
+    "ac": (1, [*WHOLE, *AC], "one", "fast"),
+    "dp2 ac": (2, [*HALF, *AC], "one", "full"),
     "pp2 gpipe": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "gpipe"], "one", "full"),
     "pp2 zb": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zb"], "one", "full"),
     "pp2 zbv": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),
@@ -45,8 +46,14 @@ PATHS = {
     "dp2 pp2": (4, [*HALF, "--pp", "2"], "one", "full"),  # the pp x dp loss scale is not 1
     "dp2 tp2": (4, [*HALF, "--tp", "2"], "one", "full"),
     "tp2 cp2": (4, [*WHOLE, "--tp", "2", "--cp", "2"], "one", "full"),
+    # activation checkpointing on the mesh: tp's blocks replay their heads' dropout state, cp's recompute their
+    # ring, PyTorch's V schedule splits backward into input and weight gradients over recomputed blocks
+    "tp2 ac": (2, [*WHOLE, "--tp", "2", *AC], "one", "full"),
+    "tp2 cp2 ac": (4, [*WHOLE, "--tp", "2", "--cp", "2", *AC], "one", "full"),
+    "pp2 zbv ac": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zbv", *AC], "one", "full"),
 }
 REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE])}
+AC_PLAIN = {"tp2 ac": "tp2", "tp2 cp2 ac": "tp2 cp2", "pp2 zbv ac": "pp2 zbv"}  # a mesh path and the same without
 # Mixed precision, by FlashAttention's rule: a parallel bf16 run's error against the fp32 one-process run is at most
 # twice the one-process bf16 run's error against it (bf16 rounds; the question is whether sharding rounds worse).
 # Smaller (2 steps, 4 sequences, one micro-batch): a CPU without native bf16 (AVX2 only) multiplies bf16 matrices
@@ -80,7 +87,9 @@ def requested(request, test) -> list:
 def runs(request, tmp_path_factory):
     "Every selected path and the references they need, two launches at a time: {name: output dir or failure}."
     tmp = tmp_path_factory.mktemp("paths")
-    paths = {n: PATHS[n] for n in requested(request, "test_path_equals_one_process")}
+    names = requested(request, "test_path_equals_one_process")
+    names += [m for n in requested(request, "test_mesh_recomputes") for m in (n, AC_PLAIN[n])]
+    paths = {n: PATHS[n] for n in names}
     jobs = {ref: REFERENCES[ref] for ref in {p[2] for p in paths.values()}}
     jobs |= {n: p[:2] for n, p in paths.items()}
     if requested(request, "test_bf16_path_by_flashattention_rule"):
@@ -127,6 +136,14 @@ def test_path_equals_one_process(runs, name):
     ROWS.append((name, world, losses, norms, grads, where))
     assert len(records(output(runs, name), "loss")) == 3  # every step logged
     assert losses <= LOSS_TOL and norms <= NORM_TOL and grads <= GRAD_TOL, (name, losses, norms, grads, where)
+
+
+@pytest.mark.parametrize("name", list(AC_PLAIN))
+def test_mesh_recomputes(runs, name):
+    "Equal to one process would hold with the flag ignored too: this rank's piece keeps fewer bytes for backward."
+    ac, plain = (json.loads((output(runs, n) / "run.json").read_text()) for n in (name, AC_PLAIN[name]))
+    assert ac["config"]["activation_checkpointing"] is True
+    assert 0 < ac["memory"]["activation_bytes"] < plain["memory"]["activation_bytes"], (name, ac["memory"])
 
 
 @pytest.mark.parametrize("name", list(BF16_PATHS))
