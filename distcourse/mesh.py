@@ -116,12 +116,12 @@ class Mesh:
         self.ac = getattr(cfg, "activation_checkpointing", False)  # 05b's blocks, before any stage takes them
         checkpoint_blocks(self.model, self.ac)  # a tp block replays its heads' dropout state (05b)
         self.rng = getattr(self.model, "rng", None)  # tp: the split heads' dropout state, seeded per rank
-        if d["pp"] > 1 and self.schedule in TORCH:  # PyTorch's schedules: this rank's v = 2 chunks (05f)
-            self.model = Chunks(gpt, self.g["pp_ranks"].index(rank), d["pp"], self.schedule)  # no tp, cp
-        elif d["pp"] > 1:  # its stage; under tp, the blocks of its tp copy (one tp index per pipeline)
-            blocks = self.model.transformer.h
-            self.model = GPTStage(gpt, self.g["pp_ranks"].index(rank), d["pp"])
-            for i in self.model.layers: self.model.transformer.h[str(i)] = blocks[i]
+        if d["pp"] > 1:  # its stage, or PyTorch's schedules' v = 2 chunks (05f; not with cp yet)
+            blocks, stage = self.model.transformer.h, self.g["pp_ranks"].index(rank)
+            torch_chunks = self.schedule in TORCH
+            self.model = Chunks(gpt, stage, d["pp"], self.schedule) if torch_chunks else GPTStage(gpt, stage, d["pp"])
+            for piece in self.model if torch_chunks else [self.model]:  # under tp: the tp copy's blocks
+                for i in piece.layers: piece.transformer.h[str(i)] = blocks[i]  # (one tp index per pipeline)
         self.model.to(self.device)  # built on the CPU and split, then moved: the piece only
         if d["cp"] > 1:
             self.model.forward = partial(_cp_run, self.model, group=self.g["cp"], impl=self.cp_impl, ac=self.ac)
@@ -215,7 +215,10 @@ def grad_norm(self: Mesh) -> torch.Tensor:
 @patch
 def full_state(self: Mesh, grads=False) -> dict:  # grads=True: the gradients instead of the weights
     "The weights one process would hold, GPT-named, on every rank (a collective: every rank calls it)."
-    if self.d["tp"] > 1: mine = gather_full_state(self.model, grads=grads)  # this stage's, over tp
+    if self.d["tp"] > 1 and isinstance(self.model, Chunks):  # each chunk a GPTStage, GPT-named; wte: the tied one
+        mine = {k: v for c in self.model for k, v in gather_full_state(c, grads=grads).items()
+                if k != "lm_head.weight"}
+    elif self.d["tp"] > 1: mine = gather_full_state(self.model, grads=grads)  # this stage's, over tp
     else: mine = {n: (p.grad if grads else p).detach().clone()
                   for n, p in getattr(self.model, "gpt_named", self.model.named_parameters)()}  # Chunks: GPT names
     if self.d["pp"] == 1: return mine
