@@ -88,13 +88,11 @@ def _check_experts(d, n_expert):
 
 # %% ../nbs/05ja_layout.ipynb #30aa3ab0
 _EXPERTS_WHY = "the expert trainer (05m) composes experts with data parallelism only, for now"
-_CHUNKS_WHY = "PyTorch's schedules run whole chunks of the course's GPT, not its cp attention, for now"
 REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the one place they live.
     ("mesh", "zero_stage"): "not supported on the mesh yet: its ranks step their own pieces with whole AdamW "
                             "states, where ZeRO (05a) shards one whole model's",
     ("mesh", "task"): "the mesh trains the course's causal GPT (a GPT-2 preset, converted by 01a's to_gpt)",
     ("mesh", "model"): "the mesh trains the course's GPT, converted from the GPT-2 presets by 01a's to_gpt",
-    ("torch_schedule", "cp"): _CHUNKS_WHY,
     ("cp", "dropout"): "ring and Ulysses attention have no attention dropout, and context-parallel ranks would draw "
                        "the same masks for different tokens (their chunks would need a random state per cp rank)",
     ("pp", "dropout"): "every pipeline stage starts from the same seed, so its layers' masks repeat another "

@@ -116,15 +116,15 @@ class Mesh:
         self.ac = getattr(cfg, "activation_checkpointing", False)  # 05b's blocks, before any stage takes them
         checkpoint_blocks(self.model, self.ac)  # a tp block replays its heads' dropout state (05b)
         self.rng = getattr(self.model, "rng", None)  # tp: the split heads' dropout state, seeded per rank
-        if d["pp"] > 1:  # its stage, or PyTorch's schedules' v = 2 chunks (05f; not with cp yet)
+        if d["pp"] > 1:  # its stage, or PyTorch's schedules' v = 2 chunks (05f)
             blocks, stage = self.model.transformer.h, self.g["pp_ranks"].index(rank)
             torch_chunks = self.schedule in TORCH
             self.model = Chunks(gpt, stage, d["pp"], self.schedule) if torch_chunks else GPTStage(gpt, stage, d["pp"])
             for piece in self.model if torch_chunks else [self.model]:  # under tp: the tp copy's blocks
                 for i in piece.layers: piece.transformer.h[str(i)] = blocks[i]  # (one tp index per pipeline)
         self.model.to(self.device)  # built on the CPU and split, then moved: the piece only
-        if d["cp"] > 1:
-            self.model.forward = partial(_cp_run, self.model, group=self.g["cp"], impl=self.cp_impl, ac=self.ac)
+        for piece in self.model if isinstance(self.model, Chunks) else [self.model]:  # the GPT, a stage or chunks
+            if d["cp"] > 1: piece.forward = partial(_cp_run, piece, group=self.g["cp"], impl=self.cp_impl, ac=self.ac)
         # the logits' gradient x local/n: it reaches every stage and cp rank
         if d["pp"] > 1 and self.model.is_last and self.schedule not in TORCH:
             self.model.lm_head.register_full_backward_pre_hook(lambda module, grad: (grad[0] * self.scale,))
@@ -174,10 +174,10 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
     "One optimizer step, equal to one process on the global batch: loss, clipping, AdamW, schedule."
     n = sum((y != -100).sum() for _, y in micro)
     dist.all_reduce(n, group=self.g["dp"])  # tokens of the global batch (its sequences whole here)
+    if self.d["pp"] > 1 and self.d["cp"] > 1: micro = [(self.chunk(x), self.chunk(y)) for x, y in micro]  # cp's
     if isinstance(self.model, Chunks):  # PyTorch's schedule: every loss share already of the global batch
         with self.autocast(): total = self.model.step(micro, n, self.pipe)
     elif self.d["pp"] > 1:  # the pipeline lesson's step: its loss is a mean over this pipeline's tokens
-        if self.d["cp"] > 1: micro = [(self.chunk(x), self.chunk(y)) for x, y in micro]  # its cp chunks
         local = sum((y != -100).sum() for _, y in micro)
         self.scale = local / n  # ÷ local tokens -> ÷ global tokens, on the logits' gradient (a hook: __init__)
         with self.autocast():

@@ -27,8 +27,6 @@ CASES = {  # a row of REFUSED -> (processes, flags) that use exactly that pair
     ("mesh", "zero_stage"): (4, ["--tp", "2", "--zero_stage", "1"]),
     ("mesh", "task"): (2, ["--tp", "2", "--task", "mlm"]),
     ("mesh", "model"): (2, ["--tp", "2", "--model", "{gpt2}"]),
-    ("torch_schedule", "cp"): (4, ["--cp", "2", "--pp", "2", "--n_layer", "4", "--pp_schedule", "zb",
-                                   "--grad_accum", "4"]),
     ("cp", "dropout"): (2, ["--cp", "2", "--model", "base"]),
     ("pp", "dropout"): (2, ["--pp", "2", "--grad_accum", "2", "--model", "base"]),
     ("experts", "tp"): (2, ["--model", "tiny-moe", "--tp", "2"]),
@@ -82,7 +80,7 @@ def test_a_restated_rule_is_caught(monkeypatch, tmp_path):
 
 PLANNED = {  # a row -> (model, a property of a layout that only the row keeps out of the planner's list)
     ("mesh", "zero_stage"): ("small", lambda L: L.tp > 1 and L.zero_stage > 0),
-    ("torch_schedule", "cp"): ("small", lambda L: L.cp > 1 and L.pp_schedule not in ("gpipe", "1f1b")),
+    ("experts", "pp"): ("tiny-moe", lambda L: L.pp > 1),
     ("experts", "tp"): ("tiny-moe", lambda L: L.tp > 1),
 }
 

@@ -62,7 +62,6 @@ BAD = [(["--n_layer", "3", "--pp_schedule", "zbv"], "zbv holds v=2 chunks per ra
        (["--n_layer", "4", "--pp_schedule", "dualpipev", "--grad_accum", "2"], "dualpipev needs micro_batches >= 4"),
        (["--n_layer", "4", "--pp_schedule", "interleaved", "--grad_accum", "5"],
         "interleaved needs micro_batches a multiple of its rounds (micro_batches // pp = 2)"),
-       (["--n_layer", "4", "--pp_schedule", "zb", "--cp", "2"], "PyTorch's schedules run whole chunks of the course's GPT"),
        (["--n_layer", "4", "--pp_schedule", "zigzag"], "choose one of gpipe, 1f1b, interleaved, zb, zbv, dualpipev")]
 
 
@@ -70,7 +69,7 @@ BAD = [(["--n_layer", "3", "--pp_schedule", "zbv"], "zbv holds v=2 chunks per ra
 @pytest.mark.parametrize("flags,msg", BAD)
 def test_schedule_refused_before_launch(flags, msg, monkeypatch, tmp_path):
     "Parsing alone refuses them, naming the numbers and the depths or micro-batches that work."
-    monkeypatch.setenv("WORLD_SIZE", "4" if "--cp" in flags else "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as e:
         parse_args(["--config", str(ROOT / "configs/tiny.yaml"), "--pp", "2", "--grad_accum", "4", *flags,
                     "--output_dir", str(tmp_path / "x")])
