@@ -105,8 +105,6 @@ def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:
     presets = ", ".join(PRESETS)
     out = {k: (f"--{k} {getattr(d, k)}", f"--{k} 1") for k in ("tp", "cp", "pp") if getattr(d, k) > 1}
     if d.mesh: out["mesh"] = (d.flags("tp", "cp", "pp"), " ".join(f"--{k} 1" for k in out))
-    if d.pp > 1 and d.pp_schedule in TORCH: out["torch_schedule"] = (f"--pp_schedule {d.pp_schedule}",
-                                                                      "--pp_schedule 1f1b or gpipe")
     if model in MOE_PRESETS: out["experts"] = (f"--model {model}", f"a dense --model ({presets})")
     if model is not None and model not in PRESETS and model not in MOE_PRESETS:
         out["model"] = (f"--model {model}", f"--model one of {presets}")

@@ -51,10 +51,9 @@ PATHS = {
     "tp2 ac": (2, [*WHOLE, "--tp", "2", *AC], "one", "full"),
     "tp2 cp2 ac": (4, [*WHOLE, "--tp", "2", "--cp", "2", *AC], "one", "full"),
     "pp2 zbv ac": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zbv", *AC], "one", "full"),
-    # PyTorch's schedules over tp copies: the V splits backward into input and weight gradients around tp's
-    # all-reduces; the looped one runs whole backwards
+    # PyTorch's schedules over tp copies and cp chunks: the V splits backward into input and weight gradients
+    # around tp's all-reduces and cp's ring
     "tp2 pp2 zbv": (4, [*WHOLE, "--tp", "2", "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),
-    "tp2 pp2 interleaved": (4, [*WHOLE, "--tp", "2", "--pp", "2", "--pp_schedule", "interleaved"], "one", "full"),
     "cp2 pp2 zbv": (4, [*WHOLE, "--cp", "2", "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),  # chunks on T/cp
 }
 REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE])}
@@ -62,7 +61,7 @@ REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE])}
 # same layout without the flag (run.json's activation_bytes): recomputation keeps block inputs only; under
 # PyTorch's schedules tp keeps its heads' and MLP columns' share, cp its chunk of the sequence.
 LESS = {"tp2 ac": "tp2", "tp2 cp2 ac": "tp2 cp2", "pp2 zbv ac": "pp2 zbv", "tp2 pp2 zbv": "pp2 zbv",
-        "tp2 pp2 interleaved": "pp2 interleaved", "cp2 pp2 zbv": "pp2 zbv"}
+        "cp2 pp2 zbv": "pp2 zbv"}
 # Mixed precision, by FlashAttention's rule: a parallel bf16 run's error against the fp32 one-process run is at most
 # twice the one-process bf16 run's error against it (bf16 rounds; the question is whether sharding rounds worse).
 # Smaller (2 steps, 4 sequences, one micro-batch): a CPU without native bf16 (AVX2 only) multiplies bf16 matrices
