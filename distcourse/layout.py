@@ -131,7 +131,7 @@ def check(d: ParallelDims, sizes=None, seq_len=None, grad_accum=1,  # as check_d
     check_degrees(d, sizes, seq_len, grad_accum)
     return d
 
-# %% ../nbs/05ja_layout.ipynb #bca8ac58
+# %% ../nbs/05ja_layout.ipynb #e9ebbeef
 def mesh_shape(d: ParallelDims) -> dict:
     "The mesh's axes, outermost first, and their sizes: pp, dp (or dp_mod_ep, ep), cp, tp."
     data = {"dp": d.dp} if d.ep == 1 else {"dp_mod_ep": d.dp // d.ep, "ep": d.ep}
