@@ -76,8 +76,8 @@ TIMED_GROUPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "sen
 def _group_op(collective, numel, group, n):
     "One `collective` of `numel` fp32 numbers in `group` (n ranks): 03a's `_op`, but send_recv is a ring shift."
     if collective != "send_recv": return _op(collective, numel, dist.get_rank(group), n, group=group)
-    # CPU on purpose: the shared profile is gloo's
-    x, buf, r = torch.ones(numel), torch.empty(numel), dist.get_rank(group)
+    x, buf = torch.ones(numel), torch.empty(numel)  # CPU on purpose: the shared profile is gloo's
+    r = dist.get_rank(group)
     peer = lambda k: dist.get_global_rank(group, k % n)  # each rank sends to the next, receives from the previous
     ops = lambda: [dist.P2POp(dist.isend, x, peer(r + 1), group), dist.P2POp(dist.irecv, buf, peer(r - 1), group)]
     return lambda: [q.wait() for q in dist.batch_isend_irecv(ops())]
