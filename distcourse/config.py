@@ -23,7 +23,7 @@ from transformers import AutoConfig
 from .checkpoint import MARKER, latest_checkpoint, read_state
 from .data import hub_offline
 from .experts import MOE_PRESETS
-from .layout import CP_IMPLS, DEGREES, PP_SCHEDULES, ParallelDims, check
+from .layout import CP_IMPLS, DEGREES, PP_SCHEDULES, ParallelDims, check, check_resume
 from .memory import STAGES
 from .model import PRESETS
 from .profiling import step_range
@@ -84,11 +84,10 @@ class Config:
     @property
     def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1 or self.model in MOE_PRESETS  # 05k's or 05m's step
 
-# What a checkpoint must agree on with the run that resumes it (and the global batch, batch_size x grad_accum x
-# processes, however it is split): the data, the model and everything that shapes the updates, the schedule included,
-# and the tp, pp and cp degrees, whose pieces of the model a mesh checkpoint holds (the resharding lesson).
-FINGERPRINT = ("task", "model", "n_layer", "dataset", "tokenizer", "seq_len", "seed", "tp", "pp", "cp", "ep",
-               "zero_stage", "max_examples", "text_column", "label_column",
+# What a checkpoint must agree on with the run that resumes it (and the global batch, however it is split): the data,
+# the model, what shapes the updates (the schedule too); not the layout, which 05ja's `check_resume` checks (but ep).
+FINGERPRINT = ("task", "model", "n_layer", "dataset", "tokenizer", "seq_len", "seed", "ep",
+               "max_examples", "text_column", "label_column",
                "lr", "weight_decay", "warmup_steps", "max_steps", "max_grad_norm")
 SCHEDULE = ("lr", "warmup_steps", "max_steps")  # warmup, then cosine decay to 0 at max_steps
 
@@ -113,6 +112,12 @@ def _positions(model):
     return getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
 
 # %% ../nbs/09_config.ipynb #f20d8f39
+def _check_layout_change(path, state, cfg):
+    "`path` if this run's layout reads the checkpoint's model and AdamW (05ja's `check_resume`), else a ConfigError."
+    try: cfg.model in MOE_PRESETS or not state.get("config") or check_resume(state["config"], cfg)  # 05m: its ep
+    except ValueError as e: raise ConfigError(f"--resume {path}: {e}") from None
+    return path
+
 def _resume_path(cfg):
     "The complete checkpoint `cfg.resume` names, checked against `cfg` (None for a fresh run)."
     if not cfg.resume: return None
@@ -131,7 +136,7 @@ def _resume_path(cfg):
     except ValueError as e: raise ConfigError(f"--resume {e}") from None
     saved = state.get("fingerprint", {})
     changed = [k for k in FINGERPRINT if k in saved and saved[k] != getattr(cfg, k)]
-    if not changed: return _check_global_batch(path, state, cfg)
+    if not changed: return _check_global_batch(_check_layout_change(path, state, cfg), state, cfg)
     why = (" The learning-rate schedule (warmup, then cosine to 0 at max_steps) is part of the run: a different "
            "one would not continue it, so train longer in a new run." if set(changed) & set(SCHEDULE) else "")
     raise ConfigError(f"--resume {path}: the checkpoint is from a different configuration ("

@@ -171,11 +171,11 @@ def is_split(model, name) -> bool:  # `name` as `model.named_parameters()` gives
     col, row = isinstance(layer, ColumnParallelLinear), isinstance(layer, RowParallelLinear)
     return col or (row and leaf == "weight")  # a row-parallel bias is whole
 
-def gather_full_state(model, grads=False):  # grads=True: the gradients instead of the weights
+def gather_full_state(model, grads=False, of=None):  # grads=True: the gradients; of(p): a tensor shaped as p
     "Full-shape weights (or gradients) of a `tensor_parallel` GPT, named as in `GPT.named_parameters`."
     out = {}
     for name, p in model.named_parameters():  # the tied wte / lm_head matrix once, as wte
-        t = p.grad if grads else p.detach()
+        t = of(p) if of else p.grad if grads else p.detach()
         if t is None: continue
         if is_split(model, name):
             layer = model.get_submodule(name.rpartition(".")[0])

@@ -19,7 +19,7 @@ from datasets.exceptions import DatasetsError
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 
-from .checkpoint import DataStream, SaveError, check_output_dir, load_checkpoint, save_checkpoint
+from .checkpoint import DataStream, SaveError, check_output_dir, load_checkpoint, read_state, save_checkpoint
 from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
 from .ddp import full_grads, train_steps
@@ -35,8 +35,7 @@ from .model import build_model, check_compat, num_params
 from .precision_choice import resolve_precision
 from .profiling import profiled
 from .recompute import activation_bytes, checkpoint_blocks
-from .reshard import MeshState
-from .schedules import TORCH
+from .reshard import MeshState, load_whole
 from .resume import ShardedState
 from .tracking import Meter, resolve_tracker, start_tracking
 from .zero import check_stage, prepare_zero
@@ -165,7 +164,8 @@ def train(config=None, **overrides) -> dict:
     acc.register_for_checkpointing(sched)
     memory, stream = track_memory(model, opt), DataStream(train_dl, cfg.seed)  # memory: at the first step
     memory["activation_bytes"] = saved
-    start, tokens, resumed = _resume(acc, cfg, stream)
+    whole = None if cfg.zero_stage else (acc.unwrap_model(model), opt, sched)  # DDP reads any layout's dcp pieces
+    start, tokens, resumed = _resume(acc, cfg, stream, whole)
     chose = choices(cfg, acc, cfg.max_steps - start)
     loss_fn = torch.compile(loss_sum) if chose["compile"]["value"] else loss_sum  # model and loss: one graph
     run = Run(acc, cfg, start)
@@ -194,7 +194,8 @@ def _train_mesh(cfg) -> dict:
             else ExpertMesh(len(tok), cfg, acc.autocast, acc.device))
     meter = Meter(acc, mesh.hf, cfg.seq_len, global_batches=True)  # MFU: the whole model's FLOPs, the global batch
     if hf is None: mesh.count_active(meter)  # a token runs top_k experts: the active parameters' FLOPs
-    acc.register_for_checkpointing(MeshState(mesh))  # each rank's piece, saved with dcp (the resharding lesson)
+    acc.register_for_checkpointing(MeshState(mesh))  # one process's tensors, saved with dcp (the resharding lesson)
+    acc.register_for_checkpointing(mesh.sched)  # pickled, as under DDP and ZeRO
     val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
     memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece
     stream = DataStream(train_dl, cfg.seed)
@@ -218,18 +219,21 @@ def _train_mesh(cfg) -> dict:
 def fingerprint(cfg, accelerator) -> dict:
     "What a checkpoint of this run must agree on with the run that resumes it: the global batch, not its split."
     return {**{k: getattr(cfg, k) for k in FINGERPRINT},  # global: x dp, the processes of a mesh / tp x pp x cp
-            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes // (cfg.tp * cfg.pp * cfg.cp),
-            **({"pp_pieces": TORCH[cfg.pp_schedule][1] if cfg.pp_schedule in TORCH else "stage"} if cfg.pp > 1 else {})}
+            "global_batch": cfg.batch_size * cfg.grad_accum * accelerator.num_processes // (cfg.tp * cfg.pp * cfg.cp)}
 
 def _save(acc, cfg, step, tokens, stream):
     "Full training state at `step` into checkpoints/step_<step>, crash-safe (the checkpointing lesson)."
     state = {"tokens": tokens, "data": stream.state_dict(), "fingerprint": fingerprint(cfg, acc), "config": asdict(cfg)}
     save_checkpoint(acc, cfg.output_dir, step, state, keep=cfg.keep_checkpoints)
 
-def _resume(acc, cfg, stream):
+def _resume(acc, cfg, stream, whole=None):  # whole: a DDP run's (model, AdamW, schedule)
     "Load the checkpoint `cfg.resume` names: (step, tokens seen, {path, step}), or (0, 0, None) for a fresh run."
-    if (path := _resume_path(cfg)) is None: return 0, 0, None
-    try: state = load_checkpoint(acc, path, expect=fingerprint(cfg, acc))
+    if (path := _resume_path(cfg)) is None: return 0, 0, None  # checked: the fingerprint, global batch, layout
+    try:
+        if whole and (path / "sharded").is_dir():  # dcp's pieces of another layout (ZeRO-2/3, tp, pp, cp)
+            state = read_state(path)
+            load_whole(path, *whole)  # every rank reads the whole tensors (07b); RNG states stay this run's
+        else: state = load_checkpoint(acc, path, expect=fingerprint(cfg, acc))
     except ValueError as e: raise ConfigError(f"--resume {e}") from None
     stream.load_state_dict(state["data"])
     return state["step"], state["tokens"], {"path": str(path), "step": state["step"]}

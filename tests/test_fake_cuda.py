@@ -235,8 +235,7 @@ def test_mesh_step_keeps_everything_on_the_device(hf, seen, layout):
         adam = tensors(mesh.opt.state)
         assert adam and {v.device.type for v in adam} == {GPU}, (layout, rank)  # AdamW stepped
         assert mesh.sched.last_epoch == 1 and set(out) == {"loss", "tokens", "grad_norm"}
-        (piece,) = saved.values()
-        written = [*piece["model"].values(), *tensors(piece["optimizer"]["state"])]
+        written = [*saved["model"].values(), *tensors(saved["optimizer"]["state"])]  # one process's names
         assert {t.device.type for t in written} == {GPU}, (layout, rank)  # the checkpoint's
     want = {"all_reduce"}  # dp's gradient sums, and the loss and token counts
     if pp > 1: want |= {"isend", "recv", "broadcast"}  # activations, their gradients, the loss

@@ -39,13 +39,12 @@ MESHES = {"dp2_tp2": (4, ["--tp", "2", "--batch_size", "2"]),  # 4 processes: 2 
           "tp2_pp2": (4, ["--tp", "2", "--pp", "2"]),  # one pipeline of 2 stages, each a tp pair: 4 × 4 × 1
           "pp2_cp2": (4, ["--pp", "2", "--cp", "2", "--cp_impl", "ulysses"])}  # 2 stages, each a Ulysses cp pair
 # (the 8-process layouts, tp 2 × pp 2 × cp 2 and dp 2 × pp 2 × cp 2, are proved on the step itself below: cheaper)
-# Resumed from their checkpoints: one layout per piece kind. pp2 saves the same pieces as pp2_cp2 (pp<i>; dp and
-# cp copies written once, which dp2_tp2 and pp2_cp2 cover), and tp 2 resumes dp2_tp2's checkpoint below; pp2_cp2
-# resumes pp × cp (Ulysses) exactly.
-# tp2_cp2 saves the same tp<i> pieces, its cp copies once as dp copies: its resume would add a 4-process run.
-# tp2_pp2 names its pieces by stage and tp index (pp<s>tp<i>), which no other layout covers.
+# Resumed from their checkpoints at their own layout, exactly: every checkpoint holds one process's tensors whole
+# (tp pairs gathered, each stage its own names, dp and cp copies written once), and each layout cuts them back into
+# its pieces: tp's slices (dp2_tp2; tp 2 resumes it below), cp's whole model (cp2), stages (pp2_cp2, with Ulysses),
+# stages of tp slices (tp2_pp2). tests/test_paths.py resumes checkpoints at other layouts.
 RESUMED = ["dp2_tp2", "cp2", "pp2_cp2", "tp2_pp2"]
-# Every pp layout also keeps its step-10 checkpoint: its pieces hold both stages' copies of the tied matrix.
+# Every pp layout also keeps its step-10 checkpoint: the first stage writes wte, the last lm_head.
 SAVED = {*RESUMED, *(name for name in MESHES if "pp" in name)}
 WTE, HEAD = "transformer.wte.weight", "lm_head.weight"  # the tied matrix's two names
 
@@ -126,20 +125,20 @@ def test_tp_saves_less_for_backward(runs):
     assert saved["tp2_cp2"] < saved["cp2"] and saved["tp2_pp2"] < saved["pp2"]
 
 
-def tied_copies(ckpt) -> dict:
-    "{(piece, name): tensor}: every piece's copy of the tied matrix in a checkpoint's dcp pieces, read as saved."
+def saved_tensors(ckpt) -> dict:
+    "{key: tensor} of a checkpoint's dcp pieces (custom_0.model.<name>, custom_0.optimizer.state.<name>.<moment>)."
     meta = dcp.FileSystemReader(str(ckpt / "sharded")).read_metadata().state_dict_metadata
-    keys = [k for k in meta if k.endswith((f".model.{WTE}", f".model.{HEAD}"))]  # custom_0.<piece>.model.<name>
-    copies = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
-    dcp.load(copies, checkpoint_id=ckpt / "sharded", no_dist=True)  # one reader, no process group
-    return {(k.split(".")[1], k.split(".model.")[1]): t for k, t in copies.items()}
+    keys = [k for k in meta if hasattr(meta[k], "size")]  # the tensors, not the pickled values
+    got = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+    dcp.load(got, checkpoint_id=ckpt / "sharded", no_dist=True)  # one reader, no process group
+    return got
 
 
 @pytest.mark.parametrize("name", list(MESHES))
 def test_model_saved_whole(runs, name):
-    """model/ of a mesh run loads with from_pretrained and holds the weights one process trained; the copies of the
-    tied matrix that the run's ranks held (pp: wte on the first stage, lm_head on the last; tp: one per rank) are
-    equal to the bit at step 10, in the checkpoint's pieces (from_pretrained re-ties model/'s two names)."""
+    """model/ of a mesh run loads with from_pretrained and holds the weights one process trained; its step-10
+    checkpoint holds one process's names and shapes, each equal to the bit to model/'s (the tied matrix's two names
+    too: pp saves wte from the first stage, lm_head from the last)."""
     want = AutoModelForCausalLM.from_pretrained(runs / "one/model").state_dict()
     got = AutoModelForCausalLM.from_pretrained(runs / name / "model").state_dict()
     assert got.keys() == want.keys()
@@ -148,11 +147,11 @@ def test_model_saved_whole(runs, name):
     diff = sum((got[k] - w).pow(2).sum() for k, w in want.items()).sqrt()
     assert diff / sum(w.pow(2).sum() for w in want.values()).sqrt() <= 1e-4
     if name not in SAVED: return
-    copies = tied_copies(runs / name / "checkpoints/step_10")
-    held = {(piece[:3], n) for piece, n in copies} if "pp" in name else {piece for piece, _ in copies}
-    assert held == ({("pp0", WTE), ("pp1", HEAD)} if "pp" in name else {"tp0", "tp1"} if "tp" in name
-                    else {"whole"}), sorted(copies)  # cp and dp copies are saved once
-    for k, t in copies.items(): assert torch.equal(t, got[WTE]), (k, (t - got[WTE]).abs().max())
+    saved = saved_tensors(runs / name / "checkpoints/step_10")
+    model = {k.removeprefix("custom_0.model."): t for k, t in saved.items() if k.startswith("custom_0.model.")}
+    assert model.keys() == want.keys(), sorted(model.keys() ^ want.keys())
+    for k, t in model.items(): assert torch.equal(t, got[k]), (k, (t - got[k]).abs().max())
+    assert torch.equal(model[HEAD], model[WTE])
 
 
 @pytest.mark.parametrize("name", RESUMED)
@@ -162,13 +161,16 @@ def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
     again = tmp_path / name
     shutil.copytree(runs / name, again)
     shutil.rmtree(again / "checkpoints/step_10")
-    pieces = dcp.FileSystemReader(str(again / "checkpoints/step_5/sharded")).read_metadata().state_dict_metadata
-    names = {k.split(".")[1] for k in pieces}  # custom_0.<piece>.model...: each piece once, whatever the dp copies
-    assert names == {"dp2_tp2": {"tp0", "tp1"}, "cp2": {"whole"}, "pp2_cp2": {"pp0", "pp1"},
-                     "tp2_pp2": {"pp0tp0", "pp0tp1", "pp1tp0", "pp1tp1"}}[name], names
-    monkeypatch.setenv("WORLD_SIZE", str(world))  # the layout is part of the checkpoint: another one is refused
-    with pytest.raises(ConfigError, match=f"--{name[-3:-1]} saved 2, now 1"):
-        parse_args([*ARGS, "--save_every", "5", "--resume", "latest", "--output_dir", str(again)])
+    meta = dcp.FileSystemReader(str(again / "checkpoints/step_5/sharded")).read_metadata().state_dict_metadata
+    moments = {k.split(".state.")[1].rsplit(".", 1)[0] for k in meta if ".optimizer.state." in k}
+    one = AutoModelForCausalLM.from_pretrained(runs / "one/model")
+    assert moments == {n for n, _ in one.named_parameters()}  # one process's AdamW: the tied matrix once, as wte
+    for n, p in one.named_parameters():  # whole, in transformers' shapes, whatever piece each rank held
+        assert tuple(meta[f"custom_0.optimizer.state.{n}.exp_avg"].size) == tuple(p.shape), n
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # ZeRO-1 reads no dcp pieces: refused before a process starts
+    with pytest.raises(ConfigError, match="ZeRO-1 reads Accelerate's whole files only"):
+        parse_args([*ARGS, "--save_every", "5", "--resume", "latest", "--zero_stage", "1",
+                    "--output_dir", str(again)])
     proc = run_cli([*trainer_cmd(world), *ARGS, *flags, "--save_every", "5", "--resume", "latest",
                     "--output_dir", str(again)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

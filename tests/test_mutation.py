@@ -164,6 +164,12 @@ FAULTS = [
           "lesson 05c's norm averages the shards' squares over tp"),
     fault("pp x dp: loss scale dropped", "mesh", "self.scale = local / n", "self.scale = 1.0", "dp2 pp2",
           "each pipeline's own mean kept (local / n is 1 at dp 1 only): summed over dp, x dp"),
+    fault("cross-layout: AdamW's step count lost", "reshard", '{"step": step.clone(), **t}',
+          '{"step": torch.zeros_like(step), **t}', "tp2 to one",
+          "a mesh checkpoint's moments saved without their step: the resumed AdamW corrects its bias as at step 1"),
+    fault("cross-layout: schedule restarted", "reshard",
+          "scheduler.load_state_dict(torch.load(sched, weights_only=True))", "pass", "tp2 to one",
+          "DDP reading another layout's checkpoint keeps its fresh schedule: warmup's learning rate from step 0"),
     fault("reshard: data position dropped", "reshard",
           'step = state["step"]; stream.load_state_dict(state["data"])', 'step = state["step"]', "reshard",
           "the run resumed on 1 process reads its epoch from the first batch again"),
@@ -273,20 +279,33 @@ def resume(tmp, repo, env, reference) -> tuple:
     return compare(records(reference), records(again), exact=True)
 
 
+def tp2_to_one(tmp, repo, env, reference) -> tuple:
+    "tp 2 saving every step, its step-1 checkpoint resumed by one process: steps 2-3 as the reference's."
+    source, again = tmp / "tp2", tmp / "one"
+    if failed := run_trainer(source, 2, ["--tp", "2", *REFERENCES["one"]], repo, env): return "failed", failed
+    flags = [*WHOLE, "--resume", str(source / "checkpoints/step_1")]  # another layout: dcp's whole tensors
+    if failed := run_trainer(again, 1, flags, repo, env): return "failed", failed
+    verdict, what = compare(records(reference)[1:], records(again))  # another layout's step 1: not bit for bit
+    lrs = [[r["lr"] for r in records(d, keys=("lr",))] for d in (reference, again)]  # after each step: the schedule
+    if lrs[1] != lrs[0][1:]: return "differ", f"{what}; learning rates {lrs[1]}, want {lrs[0][1:]}"
+    return verdict, what
+
+
 WORKERS = {"zero2_by_hand": zero2_by_hand, "sp2": sp2, "reshard": reshard}  # each runs its own reference
-CHECKS = [*LAYOUTS, *WORKERS, "resume"]
+RESUMES = {"resume": resume, "tp2 to one": tp2_to_one}  # each resumes a checkpoint; compared with "one"
+CHECKS = [*LAYOUTS, *WORKERS, *RESUMES]
 
 
 def reference_of(check) -> str:
     "The name of the one-process reference `check` compares with; None for a worker, which runs its own."
-    return None if check in WORKERS else "one" if check == "resume" else LAYOUTS[check][2]
+    return None if check in WORKERS else "one" if check in RESUMES else LAYOUTS[check][2]
 
 
 def run_check(name, tmp, refs, repo=ROOT, env=None) -> tuple:  # refs: {reference name: future of its output}
     "('equal' | 'differ' | 'failed' (the run did not finish), what was measured) for check `name`."
     if name in WORKERS: return WORKERS[name](tmp, repo, env)
     want = refs[reference_of(name)]
-    if name == "resume": return resume(tmp, repo, env, want.result())
+    if name in RESUMES: return RESUMES[name](tmp, repo, env, want.result())
     world, flags, _ = LAYOUTS[name]
     out = tmp / name.replace(" ", "_")
     if failed := run_trainer(out, world, flags, repo, env): return "failed", failed

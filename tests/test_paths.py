@@ -2,6 +2,7 @@
 on the same global batch, on what a wrong reduction would change. Per step: the loss and the gradient norm before
 clipping (AdamW and clipping hide a gradient wrong by a constant factor from the losses); step 1: every parameter's
 full gradient, each tensor against its own norm (a wrong LayerNorm gain hides under 1e-5 of the whole gradient).
+A checkpoint saved at one layout resumes at another: steps 2-3 equal an uninterrupted run at the new layout.
 
 The global batch is 4 sequences x 4 micro-batches of 32 tokens in every layout (a 4-block `tiny`: PyTorch's looped
 and V schedules need 2 x pp chunks). The fast tier runs one launch per parallelism; the full tier adds every schedule,
@@ -44,6 +45,7 @@ PATHS = {
     "pp2 zbv": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),
     "pp2 dualpipev": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "dualpipev"], "one", "full"),
     "dp2 pp2": (4, [*HALF, "--pp", "2"], "one", "full"),  # the pp x dp loss scale is not 1
+    "dp4": (4, ["--batch_size", "1", "--grad_accum", "4"], "one", "full"),
     "dp2 tp2": (4, [*HALF, "--tp", "2"], "one", "full"),
     "tp2 cp2": (4, [*WHOLE, "--tp", "2", "--cp", "2"], "one", "full"),
     # activation checkpointing on the mesh: tp's blocks replay their heads' dropout state, cp's recompute their
@@ -69,6 +71,16 @@ LESS = {"tp2 ac": "tp2", "tp2 cp2 ac": "tp2 cp2", "pp2 zbv ac": "pp2 zbv", "tp2 
 SMALL = ["--max_steps", "2", "--grad_accum", "1"]
 BF16_PATHS = {"bf16 zero2": (2, [*SMALL, "--batch_size", "2", "--zero_stage", "2", *BF16]),
               "bf16 zero3": (2, [*SMALL, "--batch_size", "2", "--zero_stage", "3", *BF16])}
+# Resume at another layout: the source saves every step (dcp: one process's names, whole tensors), its step-1
+# checkpoint is resumed by the target's flags in a fresh output_dir, and steps 2-3 are compared with the target's
+# uninterrupted run: the same data position, weights, AdamW moments and step count, and learning rate. Measured
+# 2026-11-28 on 2 CPU cores: 0 on all five (AdamW's first update moves each weight by about lr whatever the last bits
+# of its gradient, so step 1 at another layout leaves the same weights); a lost step count or schedule is caught by
+# tests/test_mutation.py's "tp2 to one".
+# source -> target, both in PATHS (or "one")
+RESUMES = {"tp2 to one": ("tp2", "one"), "pp2 1f1b to one": ("pp2 1f1b", "one"), "cp2 ring to one": ("cp2 ring", "one"),
+           "dp2 tp2 to dp4": ("dp2 tp2", "dp4"), "zero3 to dp2": ("zero3", "dp2")}
+SAVES = ["--save_every", "1"]
 BF16_REFERENCES = {"fp32": (1, [*SMALL, "--batch_size", "4", *FP32]), "bf16": (1, [*SMALL, "--batch_size", "4", *BF16])}
 ROWS = []  # (path, processes, losses, norms, worst tensor (name)): printed after the module
 
@@ -97,16 +109,37 @@ def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("paths")
     names = requested(request, "test_path_equals_one_process")
     names += [m for n in requested(request, "test_flag_changes_the_piece") for m in (n, LESS[n])]
+    resumes = {n: RESUMES[n] for n in requested(request, "test_resume_at_another_layout")}
+    names += [m for pair in resumes.values() for m in pair if m in PATHS]
     paths = {n: PATHS[n] for n in names}
-    jobs = {ref: REFERENCES[ref] for ref in {p[2] for p in paths.values()}}
+    jobs = {ref: REFERENCES[ref] for ref in {p[2] for p in paths.values()} | {t for _, t in resumes.values()}
+            if ref in REFERENCES}
     jobs |= {n: p[:2] for n, p in paths.items()}
+    saving = {source for source, _ in resumes.values()}  # every step saved: no change to the math
+    jobs |= {n: (w, [*flags, *SAVES]) for n, (w, flags) in jobs.items() if n in saving}
     if requested(request, "test_bf16_path_by_flashattention_rule"):
         bf16 = requested(request, "test_bf16_path_by_flashattention_rule")
         jobs |= BF16_REFERENCES | {n: BF16_PATHS[n] for n in bf16}
     with ThreadPoolExecutor(2) as pool:  # a launch is mostly imports and process starts, one core each
         futures = {n: pool.submit(train, tmp, n, world, flags) for n, (world, flags) in jobs.items()}
         failed = {n: f.result() for n, f in futures.items()}
-    return {n: failed[n] or tmp / n.replace(" ", "_") for n in jobs}
+    done = {n: failed[n] or tmp / n.replace(" ", "_") for n in jobs}
+    with ThreadPoolExecutor(2) as pool:  # each from its source's step-1 checkpoint, at its target's flags
+        futures = {n: pool.submit(resume, tmp, n, done[source], *spec(target))
+                   for n, (source, target) in resumes.items() if not isinstance(done[source], str)}
+        failed = {n: f.result() for n, f in futures.items()}
+    return done | {n: failed.get(n, f"its source failed: {done[s]}") or tmp / n.replace(" ", "_")
+                   for n, (s, _) in resumes.items()}
+
+
+def spec(name) -> tuple:
+    "(processes, flags) of a path or a reference."
+    return PATHS[name][:2] if name in PATHS else REFERENCES[name]
+
+
+def resume(tmp, name, source, world, flags):
+    "`source`'s step-1 checkpoint resumed on `world` processes with `flags`, into tmp/<name>; None when it ran."
+    return train(tmp, name, world, [*flags, "--resume", str(source / "checkpoints/step_1")])
 
 
 def output(runs, name):
@@ -153,6 +186,21 @@ def test_flag_changes_the_piece(runs, name):
                     for n in (name, LESS[name]))
     print(f"{name}: activation_bytes {got:,} against {without:,} ({LESS[name]})")
     assert 0 < got < without, (name, got, without)
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_at_another_layout(runs, name):
+    "Steps 2-3 of a run resumed from another layout's step-1 checkpoint equal the new layout's uninterrupted run."
+    source, target = RESUMES[name]
+    got, want = output(runs, name), output(runs, target)
+    assert json.loads((got / "run.json").read_text())["resumed_from"]["step"] == 1
+    assert records(got, "step") == [2, 3]  # the saved step's record stays in the source's run
+    for key in ("lr", "tokens"):  # the schedule after each step, the tokens seen: restored, not restarted
+        assert records(got, key) == records(want, key)[1:], (key, records(got, key), records(want, key))
+    losses = worst_rel(records(want, "loss")[1:], records(got, "loss"))
+    norms = worst_rel(records(want, "grad_norm")[1:], records(got, "grad_norm"))
+    ROWS.append((name, spec(target)[0], losses, norms, float("nan"), "steps 2-3 after the resume"))
+    assert losses <= LOSS_TOL and norms <= NORM_TOL, (name, losses, norms)
 
 
 @pytest.mark.parametrize("name", list(BF16_PATHS))

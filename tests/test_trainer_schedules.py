@@ -84,13 +84,11 @@ def test_n_layer_presets_only(tmp_path):
 
 
 @pytest.mark.fast
-def test_checkpoint_pieces_in_fingerprint():
-    "A checkpoint's pieces follow the schedule's layout: resuming looped chunks as a V (or as stages) is refused."
+def test_schedule_is_not_in_fingerprint():
+    "A checkpoint holds one process's tensors, whatever the schedule's pieces: looped chunks resume as a V or as stages."
     from types import SimpleNamespace
     from distcourse.config import Config
     from distcourse.train import fingerprint
-    def pieces(schedule, pp=2):
-        return fingerprint(Config(pp=pp, pp_schedule=schedule), SimpleNamespace(num_processes=2)).get("pp_pieces")
-    assert [pieces(s) for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")] == \
-        ["stage", "stage", "loop", "loop", "v", "v"]
-    assert pieces("zbv", pp=1) is None  # no pipeline: no pieces of it
+    prints = [fingerprint(Config(pp=pp, pp_schedule=s), SimpleNamespace(num_processes=2 * pp))  # dp 2
+              for pp in (1, 2) for s in ("gpipe", "1f1b", "interleaved", "zb", "zbv", "dualpipev")]
+    assert all(p == prints[0] for p in prints), prints
