@@ -114,7 +114,8 @@ def _positions(model):
 # %% ../nbs/09_config.ipynb #f20d8f39
 def _check_layout_change(path, state, cfg):
     "`path` if this run's layout reads the checkpoint's model and AdamW (05ja's `check_resume`), else a ConfigError."
-    try: cfg.model in MOE_PRESETS or not state.get("config") or check_resume(state["config"], cfg)  # 05m: its ep
+    if cfg.model in MOE_PRESETS or not state.get("config"): return path  # 05m's experts: ep is in the fingerprint
+    try: check_resume(state["config"], cfg)
     except ValueError as e: raise ConfigError(f"--resume {path}: {e}") from None
     return path
 

@@ -113,7 +113,7 @@ def _pieces(mesh) -> list:
 
 def _whole(piece, of, tp) -> dict:  # of(p): the tensor of parameter p to write (p, or an AdamW moment of p)
     "`of` each of `piece`'s parameters, whole over tp (05c), in transformers' shapes (Conv1D: transposed)."
-    got = gather_full_state(piece, of=of) if tp > 1 else {n: of(p).detach() for n, p in piece.named_parameters()}
+    got = gather_full_state(piece, of=of) if tp > 1 else {n: of(p) for n, p in piece.named_parameters()}
     return {n: (t.t() if n.endswith(CONV1D) else t).contiguous() for n, t in got.items()}
 
 
@@ -145,7 +145,7 @@ class MeshState:
             return {m.piece(): {"model": m.model.state_dict(), "optimizer": m.opt.state_dict()}}
         tp, model, moments = m.d["tp"], {}, {}
         for piece in _pieces(m):  # this stage's tensors only: dcp joins the stages' keys into one checkpoint
-            model |= _whole(piece, lambda p: p, tp)
+            model |= _whole(piece, lambda p: p.detach(), tp)  # the weights, out of autograd
             for k in ("exp_avg", "exp_avg_sq"):  # the last stage's tied copy under wte, as one process's AdamW has
                 for n, t in _whole(piece, lambda p: m.opt.state[p][k], tp).items():  # it (equal to the first's)
                     moments.setdefault(WTE if n == HEAD else n, {})[k] = t
