@@ -169,4 +169,6 @@ def mesh_shape(d: ParallelDims) -> dict:
 def build_mesh(d: ParallelDims, device_type="cpu"):  # "cpu" (gloo) or "cuda" (nccl): where the run's tensors live
     "torch's DeviceMesh of `d`'s world with one named axis per degree (call it on every rank, after init)."
     shape = mesh_shape(d)
-    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
+    if d.cp > 1 and d.ep == 1: mesh["dp", "cp"]._flatten("dp_cp")  # one group: the gradients' sum (05k)
+    return mesh

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from .context_parallel import seq_positions
+from .ddp import all_reduce_buckets
 from .gpt import CONV1D, load_into_hf, to_gpt
 from .layout import CP_IMPLS, ParallelDims, build_mesh
 from .loaders import EpochSampler
@@ -109,6 +110,8 @@ class Mesh:
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"  # the mesh's device type: its backend's
         self.device_mesh = device_mesh or build_mesh(ParallelDims(world, tp=tp, cp=cp, pp=pp), kind)
         self.g = mesh_groups(self.device_mesh)  # this rank's group on each named axis
+        flat = self.device_mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else None  # build_mesh's, kept by torch
+        self.g["data"] = flat.get_group() if cp > 1 else self.g["dp"]  # Σ of gradients: over dp × cp
         if d["pp"] > 1: self.pipe = pipe_groups(self.layout, self.g)  # for the pipeline lesson's step
         self.dp_rank = self.g["dp_ranks"].index(rank)
         gpt, self.timeline, self.seed = to_gpt(hf), [], getattr(cfg, "seed", 0)
@@ -185,8 +188,7 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
         total = loss * local
     else: total = self._loss_sums(micro, n)
     grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-    for axis in ("dp", "cp") if self.d["cp"] > 1 else ("dp",):  # Σ over replicas, then over the sequence's chunks
-        for t in (*grads, total): dist.all_reduce(t, group=self.g[axis])  # the gradients and the loss sum
+    all_reduce_buckets([*grads, total], self.g["data"])  # Σ over replicas and the sequence's chunks, in buckets (03)
     if on_grads: on_grads(self)
     norm = self.grad_norm()
     scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_

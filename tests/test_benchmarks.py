@@ -304,3 +304,19 @@ def test_met_follows_the_stored_targets():
 def test_markers_missing_say_what_to_do():
     with pytest.raises(ValueError, match="results:begin"):
         render.replace_marked("a table without its markers", "x", "README.md")
+
+
+@pytest.mark.fast
+def test_bucket_table_is_the_committed_run():
+    "RESULTS.md's bucket table is what bench_buckets.py renders from buckets.json; every mesh layout is in it."
+    spec = importlib.util.spec_from_file_location("bench_buckets", ROOT / "benchmarks" / "bench_buckets.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    got = json.loads((ROOT / "benchmarks" / "buckets.json").read_text())
+    assert bench.table(got) in (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    want = [(w, bench.name(lay)) for w, lay, _, _ in bench.mesh_layouts()]
+    assert [(r["world"], r["layout"]) for r in got["runs"]] == want
+    for r in got["runs"]:  # paired: both variants timed as often, the ratio their medians'
+        assert len(r["times"]["old"]) == len(r["times"]["new"]) == bench.K * bench.ROUNDS
+        assert r["new_over_old"] == round(statistics.median(r["times"]["new"])
+                                          / statistics.median(r["times"]["old"]), 3)

@@ -129,3 +129,34 @@ def _prepared_scheduler_steps(out_dir):
 def test_prepared_scheduler_steps_once_per_step(tmp_path):
     launch(_prepared_scheduler_steps, (tmp_path,), num_processes=2, **CPU)
     assert json.loads((tmp_path / "steps.json").read_text()) == 3
+
+
+def buckets_worker(out):
+    "Worker: tensors of three dtypes and several shapes summed per tensor, and by all_reduce_buckets at each cap."
+    import torch.distributed as dist
+    from distcourse.ddp import all_reduce_buckets
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    made = [torch.randn(5, 3, generator=g), torch.randn((), generator=g).double(), torch.randn(7, generator=g),
+            torch.randint(0, 9, (4,), generator=g), torch.randn(2, 2, 2, generator=g), torch.randn(1, generator=g)]
+    want = [t.clone() for t in made]
+    for t in want: dist.all_reduce(t)
+    res = {"alone": all_reduce_buckets([t.clone() for t in made], group=dist.new_group([rank]))}
+    for cap in (1, 80, 2**30):
+        mine = [t.clone() for t in made]
+        res[cap] = (all_reduce_buckets(mine, cap_bytes=cap), all(torch.equal(a, b) for a, b in zip(mine, want)))
+    if rank == 0: torch.save(res, out / "buckets.pt")
+    dist.barrier(); dist.destroy_process_group()
+
+
+@pytest.mark.fast
+def test_all_reduce_buckets_sums_as_one_call_per_bucket(tmp_path):
+    """DDP's buckets by hand: every sum equals the per-tensor all-reduce bit for bit (2 ranks), one call per bucket;
+    a bucket closes once it holds at least its cap, never mixes dtypes, and a group of one makes no call."""
+    launch(buckets_worker, (tmp_path,), num_processes=2, timeout=120, **CPU)
+    res = torch.load(tmp_path / "buckets.pt")
+    assert res.pop("alone") == 0
+    # float32 (60, 28, 32, 4 bytes), float64 (8), int64 (32): cap 1 closes every bucket after one tensor; at 80
+    # bytes float32's close after 60 + 28, then 32 + 4; a large cap leaves one bucket per dtype
+    assert res == {1: (6, True), 80: (4, True), 2**30: (3, True)}, res

@@ -242,16 +242,24 @@ def one_process_4d(hf, out):
 def mesh_4d_worker(out, hf):
     "Worker: every LAYOUTS_4D mesh in turn on batches_4d; rank 0 writes its losses, norms, step 1's gradients."
     dist.init_process_group("gloo")
+    all_reduce, groups = dist.all_reduce, []  # the group of every all-reduce call
+    def counted(t, *args, group=None, **kw):
+        groups.append(group)
+        return all_reduce(t, *args, group=group, **kw)
+    dist.all_reduce = counted
     for name, kw in LAYOUTS_4D.items():
         mesh, first = Mesh(copy.deepcopy(hf), SimpleNamespace(**{"tp": 1, **kw}, **OPT_4D)), {}
         def keep(mesh, step):  # step 1's summed gradients, before clipping, under GPT-2's names
             if step == 1: first.update(mesh.full_grads())  # a collective: every rank calls it
+        groups.clear()
         res = [r for _, r in mesh.train_steps(iter(batches_4d()), STEPS_4D, 0, GA_4D, CLIP_4D, keep)]
         if dist.get_rank() == 0:
             torch.save(first, out / f"{name}.pt")
             (out / f"{name}.json").write_text(json.dumps({"losses": [r["loss"] for r in res],
                                                          "norms": [r["grad_norm"] for r in res],
+                                                         "data_calls": sum(g is mesh.g["data"] for g in groups),
                                                          "parallel": {**mesh.d, "cp_impl": mesh.cp_impl}}))
+    dist.all_reduce = all_reduce
     dist.barrier()
     dist.destroy_process_group()
 
@@ -273,6 +281,8 @@ def test_4d_meshes_equal_one_process(tmp_path):
         assert losses <= 1e-5 and norms <= NORM_TOL and grads <= GRAD_TOL, (name, losses, norms, grads)
         assert got["parallel"] == {"dp": 8 // (kw.get("tp", 1) * 4), "tp": kw.get("tp", 1), "pp": 2, "cp": 2,
                                    "cp_impl": kw.get("cp_impl", "ring")}
+        # the gradients and the loss sum: one bucketed all-reduce per step over dp x cp (the tiny model < 25 MiB)
+        assert got["data_calls"] == STEPS_4D, got["data_calls"]
 
 
 @pytest.mark.fast
