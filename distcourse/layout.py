@@ -154,10 +154,11 @@ def check_resume(was, now):  # was: the saved run's settings; now: the resuming 
                          "and any --tp, --pp, --cp read; ZeRO-1 reads Accelerate's whole files only: resume with "
                          "--zero_stage 0 or 2, or start fresh in another --output_dir")
     z = _settings(was).get("zero_stage", 0)
-    if not by_dcp(now) and _settings(now).get("zero_stage", 0) == z: return  # any number of processes
-    raise ValueError(f"saved with {layout_flags(was)}, its model and AdamW in Accelerate's whole files, which only "
-                     f"{layout_flags(was)} reads (at any number of processes); now {layout_flags(now)}. Resume with "
-                     f"--zero_stage {z} and no --tp, --pp or --cp, or start fresh in another --output_dir")
+    if _settings(now).get("zero_stage", 0) == z and (z == 0 or not by_dcp(now)): return  # any number of processes
+    readers = "DDP and any --tp, --pp, --cp read" if z == 0 else f"only {layout_flags(was)} reads (no --tp, --pp, --cp)"
+    raise ValueError(f"saved with {layout_flags(was)}, its model and AdamW in Accelerate's whole files, which "
+                     f"{readers}, at any number of processes; now {layout_flags(now)}. Resume with --zero_stage {z}"
+                     f"{' and no --tp, --pp or --cp' if z else ''}, or start fresh in another --output_dir")
 
 # %% ../nbs/05ja_layout.ipynb #e9ebbeef
 def mesh_shape(d: ParallelDims) -> dict:

@@ -35,7 +35,7 @@ from .model import build_model, check_compat, num_params
 from .precision_choice import resolve_precision
 from .profiling import profiled
 from .recompute import activation_bytes, checkpoint_blocks
-from .reshard import MeshState, load_whole
+from .reshard import MeshState, load_into_mesh, load_whole
 from .resume import ShardedState
 from .tracking import Meter, resolve_tracker, start_tracking
 from .zero import check_stage, prepare_zero
@@ -199,7 +199,7 @@ def _train_mesh(cfg) -> dict:
     val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
     memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece
     stream = DataStream(train_dl, cfg.seed)
-    start, mesh.tokens, resumed = _resume(acc, cfg, stream)
+    start, mesh.tokens, resumed = _resume(acc, cfg, stream, mesh=mesh)
     run = Run(acc, cfg, start)
     start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
@@ -226,13 +226,16 @@ def _save(acc, cfg, step, tokens, stream):
     state = {"tokens": tokens, "data": stream.state_dict(), "fingerprint": fingerprint(cfg, acc), "config": asdict(cfg)}
     save_checkpoint(acc, cfg.output_dir, step, state, keep=cfg.keep_checkpoints)
 
-def _resume(acc, cfg, stream, whole=None):  # whole: a DDP run's (model, AdamW, schedule)
+def _resume(acc, cfg, stream, whole=None, mesh=None):  # whole: a DDP run's (model, AdamW, schedule); mesh: 05k's
     "Load the checkpoint `cfg.resume` names: (step, tokens seen, {path, step}), or (0, 0, None) for a fresh run."
     if (path := _resume_path(cfg)) is None: return 0, 0, None  # checked: the fingerprint, global batch, layout
     try:
         if whole and (path / "sharded").is_dir():  # dcp's pieces of another layout (ZeRO-2/3, tp, pp, cp)
             state = read_state(path)
             load_whole(path, *whole)  # every rank reads the whole tensors (07b); RNG states stay this run's
+        elif isinstance(mesh, Mesh) and not (path / "sharded").is_dir():  # a DDP run's whole files (07b)
+            state = read_state(path)
+            load_into_mesh(path, mesh)
         else: state = load_checkpoint(acc, path, expect=fingerprint(cfg, acc))
     except ValueError as e: raise ConfigError(f"--resume {e}") from None
     stream.load_state_dict(state["data"])

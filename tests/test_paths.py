@@ -71,15 +71,17 @@ LESS = {"tp2 ac": "tp2", "tp2 cp2 ac": "tp2 cp2", "pp2 zbv ac": "pp2 zbv", "tp2 
 SMALL = ["--max_steps", "2", "--grad_accum", "1"]
 BF16_PATHS = {"bf16 zero2": (2, [*SMALL, "--batch_size", "2", "--zero_stage", "2", *BF16]),
               "bf16 zero3": (2, [*SMALL, "--batch_size", "2", "--zero_stage", "3", *BF16])}
-# Resume at another layout: the source saves every step (dcp: one process's names, whole tensors), its step-1
-# checkpoint is resumed by the target's flags in a fresh output_dir, and steps 2-3 are compared with the target's
-# uninterrupted run: the same data position, weights, AdamW moments and step count, and learning rate. Measured
-# 2026-11-28 on 2 CPU cores: 0 on all five (AdamW's first update moves each weight by about lr whatever the last bits
-# of its gradient, so step 1 at another layout leaves the same weights); a lost step count or schedule is caught by
-# tests/test_mutation.py's "tp2 to one".
+# Resume at another layout: the source saves every step (dcp: one process's names, whole tensors; DDP: Accelerate's
+# whole files), its step-1 checkpoint is resumed by the target's flags in a fresh output_dir, and steps 2-3 are
+# compared with the target's uninterrupted run: the same data position, weights, AdamW moments and step count, and
+# learning rate. Measured 2026-11-28 on 2 CPU cores: 0 on the first five, and on DDP -> tp 2 and pp 2 losses 0, norms
+# <= 6.6e-8 (AdamW's first update moves each weight by about lr whatever the last bits of its gradient, so step 1 at
+# another layout leaves the same weights); a lost step count or schedule is caught by tests/test_mutation.py's "tp2
+# to one" (and, planted by hand in load_into_mesh, by "dp2 to tp2": step-3 loss 1.9e-3, lr one step behind).
 # source -> target, both in PATHS (or "one")
 RESUMES = {"tp2 to one": ("tp2", "one"), "pp2 1f1b to one": ("pp2 1f1b", "one"), "cp2 ring to one": ("cp2 ring", "one"),
-           "dp2 tp2 to dp4": ("dp2 tp2", "dp4"), "zero3 to dp2": ("zero3", "dp2")}
+           "dp2 tp2 to dp4": ("dp2 tp2", "dp4"), "zero3 to dp2": ("zero3", "dp2"),
+           "dp2 to tp2": ("dp2", "tp2"), "dp2 to pp2 1f1b": ("dp2", "pp2 1f1b")}  # DDP's whole files, cut
 SAVES = ["--save_every", "1"]
 BF16_REFERENCES = {"fp32": (1, [*SMALL, "--batch_size", "4", *FP32]), "bf16": (1, [*SMALL, "--batch_size", "4", *BF16])}
 ROWS = []  # (path, processes, losses, norms, worst tensor (name)): printed after the module
