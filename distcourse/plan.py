@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HAND_OF', 'Shape', 'shape_of', 'block_params', 'n_params', 'flops_token', 'Layout', 'bubble', 'held', 'rank_params',
-           'memory', 'step_time', 'predict', 'n_tensors', 'dp_messages', 'shared_step_time', 'layouts', 'plan', 'flags',
+           'memory', 'step_time', 'predict', 'dp_messages', 'shared_step_time', 'layouts', 'plan', 'flags',
            'trainer_accepts', 'main']
 
 # %% ../nbs/09c_plan.ipynb #7411b50b
@@ -192,15 +192,11 @@ def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
             "mfu": work / peak, "dominant": max(times, key=times.get)}
 
 # %% ../nbs/09c_plan.ipynb #5a1e0c02
-def n_tensors(s: Shape, L: Layout, stage=0) -> int:
-    "Parameter tensors a rank of `stage` holds: a block's 12 (GPT-2) or 9 (Llama); 2 tables, the final norm's 2."
-    return -(-s.n_layer // L.pp) * (12 if s.gpt2 else 9) + 2 * (stage == 0) + 2 * (stage == L.pp - 1)
-
 def dp_messages(s: Shape, L: Layout, nbytes) -> list:
     "(collective, bytes, group size, calls) of one step's gradient reduction and ZeRO's gathers, the trainer's."
-    if L.tp * L.pp * L.cp > 1:  # 05k: each gradient tensor on its own, summed over dp, then over cp
-        k = n_tensors(s, L)
-        return [("all_reduce", nbytes / k, n, k) for n in (L.dp, L.cp) if n > 1]
+    if L.tp * L.pp * L.cp > 1:  # 05k: 03's buckets of 25 MiB over the flattened dp x cp group, none on one rank
+        k = max(1, -(-nbytes // (25 * 2**20)))
+        return [("all_reduce", nbytes / k, L.dp * L.cp, k)] if L.dp * L.cp > 1 else []
     ddp, units, m = 1 + -(-max(0, nbytes - 2**20) // (25 * 2**20)), s.n_layer + 1, L.grad_accum  # buckets; FSDP2's
     return [[("all_reduce", nbytes / ddp, L.dp, ddp)],  # DDP: 1 MiB, then 25 MiB buckets
             [("all_reduce", nbytes / ddp, L.dp, ddp), ("all_gather", nbytes / 2, L.dp, 2)],  # + 05a's flat slices

@@ -121,7 +121,7 @@ def _count_worker(out, hf):
 
 
 def test_the_planner_counts_the_meshs_gradient_calls(tmp_path):
-    "The shared model prices each call the trainer makes: 05k's Mesh all-reduces every gradient tensor, per axis."
+    "The shared model prices each call the trainer makes: 05k's Mesh sums the gradients in buckets over dp x cp."
     from functools import partial
     from transformers import GPT2Config, GPT2LMHeadModel
     from distcourse.launch import launch
@@ -129,8 +129,9 @@ def test_the_planner_counts_the_meshs_gradient_calls(tmp_path):
                                     embd_pdrop=0, attn_pdrop=0))
     launch(partial(_count_worker, hf=hf), (tmp_path,), num_processes=4, timeout=180)
     calls = json.loads((tmp_path / "calls.json").read_text())
-    tensors = [c for c in calls if c[0] == 2 and c[1] > 1]  # over dp (2) and cp (2); scalars are the loss and tokens
+    buckets = [c for c in calls if c[0] == 4]  # over dp x cp (4 ranks): the gradients and the loss sum, flat
     s, L = plan.Shape("t", 2, 64, 4, 100, 64), plan.Layout(2, cp=2, batch_size=2)
     want = plan.dp_messages(s, L, 4 * plan.rank_params(s, L))
-    assert [(c, n) for c, _, n, _ in want] == [("all_reduce", 2), ("all_reduce", 2)]
-    assert len(tensors) == sum(k for *_, k in want) == 2 * len(list(hf.parameters()))
+    assert [(c, n) for c, _, n, _ in want] == [("all_reduce", 4)]
+    assert len(buckets) == sum(k for *_, k in want) == 1
+    assert buckets[0][1] == sum(p.numel() for p in hf.parameters()) + 1  # every gradient, and the loss sum
