@@ -19,26 +19,22 @@ from datasets.exceptions import DatasetsError
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 
-from .checkpoint import DataStream, SaveError, check_output_dir, load_checkpoint, read_state, save_checkpoint
+from .checkpoint import DataStream, SaveError, check_output_dir, save_checkpoint
 from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
-from .ddp import full_grads, train_steps
+from .engine import make_engine
 from .evaluation import evaluate_distributed
-from .expert_mesh import MOE_PRESETS, ExpertMesh
+from .expert_mesh import MOE_PRESETS
 from .launch import WorldSizeError, cpu_threads, local_processes, make_accelerator
 from .outputs import Run, all_ranks_reach, push_to_hub, save_model
 from .loaders import get_dataloaders
-from .loop import loss_sum, make_scheduler
-from .memory import peak_first_step, track_memory
-from .mesh import Mesh
+from .loop import loss_sum
 from .model import build_model, check_compat, num_params
 from .precision_choice import resolve_precision
 from .profiling import profiled
-from .recompute import activation_bytes, checkpoint_blocks
-from .reshard import MeshState, load_into_mesh, load_whole
-from .resume import ShardedState
+from .recompute import checkpoint_blocks
 from .tracking import Meter, resolve_tracker, start_tracking
-from .zero import check_stage, prepare_zero
+from .zero import check_stage
 
 # %% ../nbs/09a_train.ipynb #ecbe43bf
 def _start(cfg):
@@ -96,14 +92,6 @@ def _setup(cfg, accelerator):
         raise ConfigError(f"--activation_checkpointing {cfg.activation_checkpointing}: {e}") from None
     return tok, train_dl, val_dl, model
 
-def _activation_bytes(accelerator, model, loader, task) -> int:  # model: a whole model, or a `Mesh`
-    "Bytes one micro-batch's forward keeps for backward on this rank, measured once (no RNG moved, no step)."
-    batch = loader.collate_fn([loader.dataset[i] for i in range(loader.batch_size)])
-    if isinstance(model, Mesh): return model.activation_bytes(batch)  # this rank's piece, its rows of `batch`
-    model, batch = model.to(accelerator.device), {k: v.to(accelerator.device) for k, v in batch.items()}
-    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), accelerator.autocast():  # as the training forward runs
-        return activation_bytes(model.train(), batch, task)
 
 # %% ../nbs/09a_train.ipynb #bae73bfd
 def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this run will train
@@ -141,79 +129,40 @@ def _loop(acc, cfg, run, meter, steps, start, tokens, stream, lr, evaluate) -> d
 
 def _grads_saver(acc, cfg):
     "on_grads for the steps: step --grads_at's full gradients (not clipped) into grads_step<N>.pt."
-    def save(model, step):  # model: the prepared model or a `Mesh`; every rank, every step
+    def save(engine, step):  # every rank, every step
         if step != cfg.grads_at: return
-        if isinstance(model, Mesh): grads = model.full_grads()  # gathered over tp and the stages
-        else: grads = full_grads(acc.unwrap_model(model))  # FSDP2's shards gathered
+        grads = engine.full_grads()  # a collective: FSDP2's shards, tp's pieces, the stages gathered
         if acc.is_main_process: torch.save(grads, Path(cfg.output_dir, f"grads_step{step}.pt"))
     return save if cfg.grads_at else None
 
 def train(config=None, **overrides) -> dict:
     "Train as `config` (a `Config`, a dict, or flags as keyword arguments) says; returns the summary."
     cfg = validate(replace(config if isinstance(config, Config) else Config(**(config or {})), **overrides))
-    if cfg.mesh: return _train_mesh(cfg)  # the mesh lesson's step (degrees checked above)
     acc = _start(cfg)
     set_seed(cfg.seed)  # the same initial weights on every rank
-    tok, train_dl, val_dl, model = _setup(cfg, acc)
-    saved = _activation_bytes(acc, model, train_dl, cfg.task)  # before sharding: every stage saves the same
-    meter = Meter(acc, model, cfg.seq_len)
-    model, opt, train_dl, val_dl = prepare_zero(acc, model, cfg.zero_stage, cfg.lr, cfg.weight_decay,
-                                                loaders=(train_dl, val_dl))
-    sched = make_scheduler(opt, cfg.warmup_steps, cfg.max_steps)  # stepped by train_step, once per step
-    if cfg.zero_stage: acc.register_for_checkpointing(ShardedState(model, opt, cfg.zero_stage))
-    acc.register_for_checkpointing(sched)
-    memory, stream = track_memory(model, opt), DataStream(train_dl, cfg.seed)  # memory: at the first step
-    memory["activation_bytes"] = saved
-    whole = None if cfg.zero_stage else (acc.unwrap_model(model), opt, sched)  # DDP reads any layout's dcp pieces
-    start, tokens, resumed = _resume(acc, cfg, stream, whole)
-    chose = choices(cfg, acc, cfg.max_steps - start)
-    loss_fn = torch.compile(loss_sum) if chose["compile"]["value"] else loss_sum  # model and loss: one graph
-    run = Run(acc, cfg, start)
-    start_tracking(acc, "distcourse", asdict(cfg))
-    before = _before(acc, run, model, val_dl, cfg, resumed)
-    steps = train_steps(acc, model, opt, sched, meter.counted(stream), cfg.task, cfg.max_steps, start,
-                        cfg.grad_accum, cfg.max_grad_norm, loss_fn, _grads_saver(acc, cfg))
-    steps = peak_first_step(steps, model, opt, memory)  # measured; the *_bytes beside it are counted
-    steps = profiled(steps, cfg.profile_steps, cfg.output_dir, start)  # --profile_steps: traces/rank<r>.json
-    after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: sched.get_last_lr()[0],
-                  lambda: evaluate_distributed(acc, model, val_dl, cfg.task))
-    memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: under ZeRO rank 0 is one of N
-    extra = {"zero_stage": cfg.zero_stage,
-             "parallel": {"dp": acc.num_processes, "tp": 1, "pp": 1, "cp": 1, "cp_impl": None},
-             "memory": memory, "utilisation": meter.summary(run, memory), "resumed_from": resumed,
-             "choices": chose, "threads_per_process": chose["threads"]["threads_per_process"]}
-    return _finish(acc, cfg, run, model, tok, before, after, len(val_dl.dataset), extra)
-
-# %% ../nbs/09a_train.ipynb #1b606f64
-def _train_mesh(cfg) -> dict:
-    "`train` on a (dp, tp × cp | tp × pp) mesh: the mesh lesson's step; the trainer's data, eval, outputs."
-    acc = _start(cfg)
-    set_seed(cfg.seed)
     tok, train_dl, val_dl, hf = _setup(cfg, acc)
-    mesh = (Mesh(hf, cfg, acc.autocast, acc.device) if hf is not None  # its piece and batches on this process's device
-            else ExpertMesh(len(tok), cfg, acc.autocast, acc.device))
-    meter = Meter(acc, mesh.hf, cfg.seq_len, global_batches=True)  # MFU: the whole model's FLOPs, the global batch
-    if hf is None: mesh.count_active(meter)  # a token runs top_k experts: the active parameters' FLOPs
-    acc.register_for_checkpointing(MeshState(mesh))  # one process's tensors, saved with dcp (the resharding lesson)
-    acc.register_for_checkpointing(mesh.sched)  # pickled, as under DDP and ZeRO
-    val_dl, train_dl = acc.prepare(val_dl), mesh.loader(train_dl)  # global micro-batches: batch_size·dp rows
-    memory = {"activation_bytes": _activation_bytes(acc, mesh, train_dl, cfg.task)}  # this rank's piece
+    engine = make_engine(cfg, acc, hf, len(tok))  # DDP / ZeRO, the mesh (tp, pp, cp) or the experts' (07c)
+    meter = Meter(acc, engine.hf, cfg.seq_len, global_batches=engine.global_batches)  # the whole model's FLOPs
+    engine.count_active(meter)  # experts: a token runs top_k of them
+    train_dl, val_dl, memory = engine.prepare(acc, train_dl, val_dl)  # loaders, states to checkpoint, counts
     stream = DataStream(train_dl, cfg.seed)
-    start, mesh.tokens, resumed = _resume(acc, cfg, stream, mesh=mesh)
+    start, tokens, resumed = _resume(acc, cfg, stream, engine)
+    chose = choices(cfg, acc, cfg.max_steps - start)
+    if chose["compile"]["value"]: engine.loss_fn = torch.compile(loss_sum)  # model and loss: one graph
     run = Run(acc, cfg, start)
     start_tracking(acc, "distcourse", asdict(cfg))
-    before = _before(acc, run, mesh.hf_model(), val_dl, cfg, resumed)
-    steps = mesh.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
-                             _grads_saver(acc, cfg))
-    steps = mesh.peak_first(steps, memory)  # this rank's piece, measured (05k: not every schedule)
-    steps = profiled(steps, cfg.profile_steps, cfg.output_dir, start)  # this rank's trace of steps A..B
-    lr = lambda: mesh.sched.get_last_lr()[0]
-    after = _loop(acc, cfg, run, meter, steps, start, mesh.tokens, stream, lr,
-                  lambda: evaluate_distributed(acc, mesh.hf_model(), val_dl, cfg.task))
-    memory["per_rank"] = gather_object([dict(memory)])  # every rank's piece: stages differ
-    return _finish(acc, cfg, run, mesh.hf, tok, before, after, len(val_dl.dataset), {"zero_stage": 0,
-                   "parallel": mesh.parallel(), "memory": memory, "utilisation": meter.summary(run, memory),
-                   "resumed_from": resumed, "choices": choices(cfg, acc, cfg.max_steps - start)})
+    before = _before(acc, run, engine.hf_model(), val_dl, cfg, resumed)
+    steps = engine.train_steps(meter.counted(stream), cfg.max_steps, start, cfg.grad_accum, cfg.max_grad_norm,
+                               _grads_saver(acc, cfg))
+    steps = engine.peak_first(steps, memory)  # measured; the *_bytes beside it are counted
+    steps = profiled(steps, cfg.profile_steps, cfg.output_dir, start)  # --profile_steps: traces/rank<r>.json
+    after = _loop(acc, cfg, run, meter, steps, start, tokens, stream, lambda: engine.sched.get_last_lr()[0],
+                  lambda: evaluate_distributed(acc, engine.hf_model(), val_dl, cfg.task))
+    memory["per_rank"] = gather_object([dict(memory)])  # each rank's bytes: ZeRO's shards, the mesh's pieces
+    extra = {"zero_stage": cfg.zero_stage, "parallel": engine.parallel(), "memory": memory,
+             "utilisation": meter.summary(run, memory), "resumed_from": resumed, "choices": chose,
+             "threads_per_process": chose["threads"]["threads_per_process"]}
+    return _finish(acc, cfg, run, engine.hf_model(), tok, before, after, len(val_dl.dataset), extra)
 
 # %% ../nbs/09a_train.ipynb #4d644f0a
 def fingerprint(cfg, accelerator) -> dict:
@@ -226,17 +175,10 @@ def _save(acc, cfg, step, tokens, stream):
     state = {"tokens": tokens, "data": stream.state_dict(), "fingerprint": fingerprint(cfg, acc), "config": asdict(cfg)}
     save_checkpoint(acc, cfg.output_dir, step, state, keep=cfg.keep_checkpoints)
 
-def _resume(acc, cfg, stream, whole=None, mesh=None):  # whole: a DDP run's (model, AdamW, schedule); mesh: 05k's
+def _resume(acc, cfg, stream, engine):
     "Load the checkpoint `cfg.resume` names: (step, tokens seen, {path, step}), or (0, 0, None) for a fresh run."
     if (path := _resume_path(cfg)) is None: return 0, 0, None  # checked: the fingerprint, global batch, layout
-    try:
-        if whole and (path / "sharded").is_dir():  # dcp's pieces of another layout (ZeRO-2/3, tp, pp, cp)
-            state = read_state(path)
-            load_whole(path, *whole)  # every rank reads the whole tensors (07b); RNG states stay this run's
-        elif isinstance(mesh, Mesh) and not (path / "sharded").is_dir():  # a DDP run's whole files (07b)
-            state = read_state(path)
-            load_into_mesh(path, mesh)
-        else: state = load_checkpoint(acc, path, expect=fingerprint(cfg, acc))
+    try: state = engine.load(acc, path, expect=fingerprint(cfg, acc))  # 07c: dcp's pieces or whole files
     except ValueError as e: raise ConfigError(f"--resume {e}") from None
     stream.load_state_dict(state["data"])
     return state["step"], state["tokens"], {"path": str(path), "step": state["step"]}

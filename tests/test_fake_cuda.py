@@ -9,9 +9,10 @@ so every collective is wrapped to refuse a tensor that is not on the accelerator
 The mesh path (--tp/--pp/--cp): each rank runs the real `Mesh.step` (forward, backward, gradient
 sums, clipping, AdamW, schedule) and builds the state a checkpoint writes (`MeshState`).
 
-The non-mesh path (--zero_stage 0-3): rank 0 makes the real `Accelerator` (`make_accelerator`),
-moves the model as `train` does, calls `prepare_zero`, then the trainer's `train_steps` (2 micro-
-batches: forward, backward, `clip_grads`, optimizer, scheduler, the --grads_at gather), an
+The non-mesh path (--zero_stage 0-3): rank 0 makes the real `Accelerator` (`make_accelerator`)
+and the engine `train` makes (lesson 07c's `DataParallelEngine`): its `prepare` (the model moved,
+`prepare_zero`, the states registered), then its `train_steps` (2 micro-batches: forward, backward,
+`clip_grads`, optimizer, scheduler, the --grads_at gather), an
 evaluation, its `_save` of a checkpoint (`save_checkpoint`: Accelerate's `save_state`,
 `ShardedState`) and `full_state_dict` (the final model). ZeRO-2 by hand, which the trainer does not
 build, saves with its optimizer's own `consolidate_state_dict`. What is not the real code, and why:
@@ -60,7 +61,6 @@ from distcourse import mesh as mesh_module
 from distcourse import ddp, pipeline, zero
 from distcourse.checkpoint import DataStream
 from distcourse.config import Config
-from distcourse.ddp import train_steps
 from distcourse.launch import _fresh_accelerate_state, make_accelerator
 from distcourse.layout import ParallelDims, build_mesh
 from distcourse.loop import make_scheduler
@@ -68,8 +68,8 @@ from distcourse.evaluation import evaluate_distributed
 from distcourse.memory import _inner, track_memory
 from distcourse.mesh import Mesh, mesh_layout
 from distcourse.reshard import MeshState
-from distcourse.resume import ShardedState
-from distcourse.train import _activation_bytes, _grads_saver, _save
+from distcourse.engine import DataParallelEngine, first_batch
+from distcourse.train import _grads_saver, _save
 
 GPU, WORLD, T = "fakegpu", 8, 16  # T: tokens per sequence, a multiple of 2 x cp for cp 8
 # name: (tp, pp, cp, pp_schedule); dp = 8 / (tp·pp·cp). The model has 12 heads and 4 blocks, so
@@ -329,17 +329,17 @@ def trainer_step(hf, layout, rank, out_dir) -> tuple:
             acc, model = make_accelerator(), copy.deepcopy(hf)  # the CPU model `_setup` builds
             loader = DataLoader(rows, batch_size=cfg.batch_size)
             val = DataLoader(rows[:WORLD * cfg.batch_size], batch_size=cfg.batch_size)
-            _activation_bytes(acc, model, loader, "clm")  # moves the model, as `train` does first
-            model, opt, loader, val = zero.prepare_zero(acc, model, stage, cfg.lr, cfg.weight_decay,
-                                                        loaders=(loader, val), zero2=zero2)
-            sched = make_scheduler(opt, cfg.warmup_steps, cfg.max_steps)
-            memory = track_memory(model, opt)  # filled at the optimizer step
-            if zero2 is None:  # what `train` registers; it never builds ZeRO-2 by hand
-                if stage: acc.register_for_checkpointing(ShardedState(model, opt, stage))
-                acc.register_for_checkpointing(sched)
-            stream = DataStream(loader, cfg.seed)
-            ((_, res),) = train_steps(acc, model, opt, sched, stream, "clm", 1, 0, cfg.grad_accum,
-                                      cfg.max_grad_norm, on_grads=_grads_saver(acc, cfg))
+            engine = DataParallelEngine(model, cfg, acc)  # the engine `train` makes at these degrees
+            if zero2 is None: loader, val, memory = engine.prepare(acc, loader, val)  # as `train` prepares
+            else:  # ZeRO-2 by hand, which `train` never builds: prepare's calls with its optimizer
+                engine.activation_bytes(first_batch(loader))  # moves the model, as prepare does first
+                engine.model, engine.opt, loader, val = zero.prepare_zero(acc, model, stage, cfg.lr, cfg.weight_decay,
+                                                                          loaders=(loader, val), zero2=zero2)
+                engine.sched = make_scheduler(engine.opt, cfg.warmup_steps, cfg.max_steps)
+                memory = track_memory(engine.model, engine.opt)  # filled at the optimizer step
+            model, opt, sched, stream = engine.model, engine.opt, engine.sched, DataStream(loader, cfg.seed)
+            ((_, res),) = engine.train_steps(stream, 1, 0, cfg.grad_accum, cfg.max_grad_norm,
+                                             on_grads=_grads_saver(acc, cfg))
             res["val"] = evaluate_distributed(acc, model, val, "clm")  # gathers every rank's
             res["memory"] = memory
             if zero2 is None: _save(acc, cfg, 1, res["tokens"], stream)
