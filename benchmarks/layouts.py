@@ -47,9 +47,10 @@ def layouts(world):
     for tp, pp, cp in product(divisors, repeat=3):
         if world % (tp * pp * cp): continue
         dp, mesh = world // (tp * pp * cp), tp * pp * cp > 1
-        # dp alone: every stage with and without recomputation; a mesh: plain, then each of them once (refused)
+        # dp alone: every stage with and without recomputation; a mesh: plain, recomputed, and each ZeRO stage once
+        # (1 and any stage with pp refused: the trainer's line is recorded)
         variants = [(z, ac) for z in (STAGES if dp > 1 else (0,)) for ac in (False, True)]
-        if mesh: variants = [(0, False), (0, True)] + ([(1, False)] if dp > 1 else [])
+        if mesh: variants = [(0, False), (0, True)] + ([(z, False) for z in STAGES if z] if dp > 1 else [])
         for schedule, impl, (zero, ac) in product(PP_SCHEDULES if pp > 1 else (None,),
                                                   CP_IMPLS if cp > 1 else (None,), variants):
             yield {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "cp_impl": impl, "zero_stage": zero,

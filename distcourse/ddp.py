@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['shard_batch', 'save_grads', 'grads_by_hand', 'grads_ddp', 'all_reduce_buckets', 'clip_grads', 'train_step',
-           'train_steps', 'full_grads', 'train_worker']
+           'train_steps', 'to_local', 'full', 'full_grads', 'train_worker']
 
 # %% ../nbs/03_ddp.ipynb #affb3796
 import json
@@ -151,12 +151,20 @@ def train_steps(accelerator, model, optimizer, scheduler,
         yield step, train_step(accelerator, model, optimizer, scheduler, micro, task, max_grad_norm,
                                loss_fn, hook)
 
+def to_local(t):  # a tensor, a DTensor (FSDP2's shards: the ZeRO lesson), or None
+    "This rank's part of `t`: a DTensor's local shard (a view: in-place changes reach the DTensor), else `t`."
+    return t.to_local() if isinstance(t, DTensor) else t
+
+def full(t):  # as `to_local` takes it
+    "`t` whole on every rank: a DTensor's shards gathered (a collective: every rank calls it), else `t`."
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
 def full_grads(model) -> dict:
     "Every parameter's whole gradient by name, on CPU (FSDP2's shards gathered: all ranks call it)."
     out = {}
     for name, p in model.named_parameters():  # a tied matrix once, under its first name
         if p.grad is None: continue
-        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        g = full(p.grad)
         out[name] = g.detach().float().cpu().clone()
     return out
 

@@ -89,8 +89,10 @@ def _check_experts(d, n_expert):
 # %% ../nbs/05ja_layout.ipynb #30aa3ab0
 _EXPERTS_WHY = "the expert trainer (05m) composes experts with data parallelism only, for now"
 REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the one place they live.
-    ("mesh", "zero_stage"): "not supported on the mesh yet: its ranks step their own pieces with whole AdamW "
-                            "states, where ZeRO (05a) shards one whole model's",
+    ("mesh", "zero1"): "ZeRO-1 (05a's flat optimizer) shards the AdamW state of DDP's whole model; on the mesh "
+                       "ZeRO is FSDP2 over the data axes (07c's apply_fsdp), stages 2 and 3",
+    ("pp", "zero_stage"): "FSDP2 is not yet composed with the pipeline's schedules (a reduce-scatter per micro-batch "
+                          "inside 1F1B, the tied embedding's copies summed across stages on plain tensors)",
     ("mesh", "task"): "the mesh trains the course's causal GPT (a GPT-2 preset, converted by 01a's to_gpt)",
     ("mesh", "model"): "the mesh trains the course's GPT, converted from the GPT-2 presets by 01a's to_gpt",
     ("cp", "dropout"): "ring and Ulysses attention have no attention dropout, and context-parallel ranks would draw "
@@ -109,6 +111,7 @@ def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:
     if model is not None and model not in PRESETS and model not in MOE_PRESETS:
         out["model"] = (f"--model {model}", f"--model one of {presets}")
     if d.zero_stage: out["zero_stage"] = (f"--zero_stage {d.zero_stage}", "--zero_stage 0")
+    if d.zero_stage == 1: out["zero1"] = ("--zero_stage 1", "--zero_stage 2")
     if d.activation_checkpointing: out["activation_checkpointing"] = ("--activation_checkpointing true",
                                                                       "--activation_checkpointing false")
     if task != "clm": out["task"] = (f"--task {task}", "--task clm")

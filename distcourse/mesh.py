@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from .context_parallel import seq_positions
-from .ddp import all_reduce_buckets
+from .ddp import all_reduce_buckets, full, to_local
 from .gpt import CONV1D, load_into_hf, to_gpt
 from .layout import CP_IMPLS, ParallelDims, build_mesh
 from .loaders import EpochSampler
@@ -106,6 +106,7 @@ class Mesh:
         self.d = d = {"dp": world // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
         self.hf, self.schedule, self.autocast, self.tokens = hf, cfg.pp_schedule, autocast, 0
         self.cp_impl, self.scale = getattr(cfg, "cp_impl", "ring"), 1  # cp's attention (CP_IMPLS); step's local/n
+        self.cfg, self.fsdp = cfg, False  # fsdp: ZeRO-2/3's FSDP2 over the data axes applied (07c's apply_fsdp)
         self.layout = mesh_layout(world, tp, pp, cp)  # the formula: pipe_groups reads every pipeline's ranks
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"  # the mesh's device type: its backend's
         self.device_mesh = device_mesh or build_mesh(ParallelDims(world, tp=tp, cp=cp, pp=pp), kind)
@@ -188,11 +189,12 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
         total = loss * local
     else: total = self._loss_sums(micro, n)
     grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-    all_reduce_buckets([*grads, total], self.g["data"])  # Σ over replicas and the sequence's chunks, in buckets (03)
+    summed = [] if self.fsdp else grads  # FSDP2 reduce-scattered its gradients (their sum) in backward
+    all_reduce_buckets([*summed, total], self.g["data"])  # Σ over replicas and the sequence's chunks, in buckets (03)
     if on_grads: on_grads(self)
     norm = self.grad_norm()
     scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_
-    for g in grads: g.mul_(scale)
+    for g in grads: to_local(g).mul_(scale)  # FSDP2: this rank's shard
     self.opt.step()
     self.sched.step()
     self.opt.zero_grad(set_to_none=True)
@@ -207,22 +209,22 @@ def grad_norm(self: Mesh) -> torch.Tensor:
     split, whole = (torch.zeros((), device=self.device) for _ in "sw")  # 05c's tp_grad_norm: split squares Σ over tp
     for n, p in self.model.named_parameters():
         if p.grad is None or (pp > 1 and n.endswith("lm_head.weight")): continue  # the tied copy: counted as wte
-        if tp > 1 and is_split(self.model, n): split += p.grad.pow(2).sum()
-        else: whole += p.grad.pow(2).sum()  # whole on every tp rank (under cp: already Σ over cp): once
+        if tp > 1 and is_split(self.model, n): split += to_local(p.grad).pow(2).sum()
+        else: whole += to_local(p.grad).pow(2).sum()  # whole on every tp rank (under cp: already Σ over cp): once
     if tp > 1: dist.all_reduce(split, group=self.g["tp"])
     sq = split + whole
+    if self.fsdp: dist.all_reduce(sq, group=self.g["data"])  # FSDP2: each rank squared its shards only
     if pp > 1: dist.all_reduce(sq, group=self.pipe.pipe)  # every stage's share
     return sq.sqrt()
 
 @patch
 def full_state(self: Mesh, grads=False) -> dict:  # grads=True: the gradients instead of the weights
     "The weights one process would hold, GPT-named, on every rank (a collective: every rank calls it)."
+    def of(p): return full(p.grad if grads else p.detach())  # FSDP2's shards gathered over the data axes
     if self.d["tp"] > 1 and isinstance(self.model, Chunks):  # each chunk a GPTStage, GPT-named; wte: the tied one
-        mine = {k: v for c in self.model for k, v in gather_full_state(c, grads=grads).items()
-                if k != "lm_head.weight"}
-    elif self.d["tp"] > 1: mine = gather_full_state(self.model, grads=grads)  # this stage's, over tp
-    else: mine = {n: (p.grad if grads else p).detach().clone()
-                  for n, p in getattr(self.model, "gpt_named", self.model.named_parameters)()}  # Chunks: GPT names
+        mine = {k: v for c in self.model for k, v in gather_full_state(c, of=of).items() if k != "lm_head.weight"}
+    elif self.d["tp"] > 1: mine = gather_full_state(self.model, of=of)  # this stage's, over tp
+    else: mine = {n: of(p).clone() for n, p in getattr(self.model, "gpt_named", self.model.named_parameters)()}
     if self.d["pp"] == 1: return mine
     if self.model.is_last and not self.model.is_first: mine.pop("lm_head.weight", None)  # the tied copy
     # CPU on purpose: a pickled CUDA tensor unpickles on the sender's GPU, not on this rank's

@@ -15,11 +15,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate.utils import gather_object
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from safetensors.torch import load_file
 
 from .checkpoint import DataStream, check_output_dir, latest_checkpoint, load_checkpoint, save_checkpoint
-from .ddp import full_grads, train_steps
+from .ddp import full, full_grads, train_steps
 from .gpt import CONV1D
 from .launch import make_accelerator
 from .loop import make_optimizer, make_scheduler, setup
@@ -116,7 +117,8 @@ def _pieces(mesh) -> list:
 
 def _whole(piece, of, tp) -> dict:  # of(p): the tensor of parameter p to write (p, or an AdamW moment of p)
     "`of` each of `piece`'s parameters, whole over tp (05c), in transformers' shapes (Conv1D: transposed)."
-    got = gather_full_state(piece, of=of) if tp > 1 else {n: of(p) for n, p in piece.named_parameters()}
+    def whole(p): return full(of(p))  # FSDP2's shards gathered over the data axes (07c's apply_fsdp)
+    got = gather_full_state(piece, of=whole) if tp > 1 else {n: whole(p) for n, p in piece.named_parameters()}
     return {n: (t.t() if n.endswith(CONV1D) else t).contiguous() for n, t in got.items()}
 
 
@@ -126,6 +128,12 @@ def _mine(piece, name, t, tp):  # t: a whole tensor in transformers' shape, read
     if tp == 1 or not is_split(piece, name): return t
     layer = piece.get_submodule(name.rpartition(".")[0])
     return shard(t, dist.get_rank(layer.group), tp, layer.shard_dim if name.endswith("weight") else 0, layer.parts)
+
+
+def _put(dst, t):  # dst: a parameter or an AdamW moment (a DTensor under FSDP2); t: its whole value on this rank
+    "Copy `t` into `dst`: into its own rows where FSDP2 shards it (each rank cuts its rows, nothing sent)."
+    if isinstance(dst, DTensor): t = distribute_tensor(t, dst.device_mesh, dst.placements, src_data_rank=None)
+    dst.copy_(t)
 
 
 class MeshState:
@@ -170,10 +178,10 @@ class MeshState:
         with torch.no_grad():
             for piece in _pieces(m):
                 for n, p in piece.named_parameters():
-                    p.copy_(_mine(piece, n, state["model"][n], tp))
+                    _put(p, _mine(piece, n, state["model"][n], tp))
                     adam = m.opt.state[p]
                     s = saved[WTE if n == HEAD else n]  # the tied copy's moments: wte's
-                    for k in ("exp_avg", "exp_avg_sq"): adam[k].copy_(_mine(piece, n, s[k], tp))
+                    for k in ("exp_avg", "exp_avg_sq"): _put(adam[k], _mine(piece, n, s[k], tp))
                     adam["step"].copy_(s["step"])
         for g, h in zip(m.opt.param_groups, state["optimizer"]["param_groups"]): g["lr"] = h["lr"]
 

@@ -43,7 +43,8 @@ LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
            "pp2 interleaved": (2, [*FOUR, "--pp", "2", "--pp_schedule", "interleaved", *WHOLE], "one4"),
            "pp2 zbv": (2, [*FOUR, "--pp", "2", "--pp_schedule", "zbv", *WHOLE], "one4"),  # rank 0: both tied
            "dp2 pp2": (4, ["--pp", "2", "--pp_schedule", "1f1b", *HALF], "one"),  # local / n: 1/2 (1 at dp 1)
-           "ep2": (2, [*MOE, "--ep", "2", *HALF], "one moe")}  # 2 of the 4 experts per rank
+           "ep2": (2, [*MOE, "--ep", "2", *HALF], "one moe"),  # 2 of the 4 experts per rank
+           "cp2 zero2": (2, ["--cp", "2", "--zero_stage", "2", *WHOLE], "one")}  # FSDP2 over dp x cp = 2 (07c)
 
 
 def fault(name, module, old, new, check, what):  # old: text that occurs exactly once in the module
@@ -156,8 +157,8 @@ FAULTS = [
     fault("tp norm: shards not summed", "mesh", 'if tp > 1: dist.all_reduce(split, group=self.g["tp"])',
           "if tp > 1: pass", "tp2", "the split tensors' squares of this rank only"),
     fault("tp norm: whole tensors x tp", "mesh",
-          "if tp > 1 and is_split(self.model, n): split += p.grad.pow(2).sum()",
-          "if tp > 1: split += p.grad.pow(2).sum()", "tp2", "the replicated tensors' squares summed over tp"),
+          "if tp > 1 and is_split(self.model, n): split += to_local(p.grad).pow(2).sum()",
+          "if tp > 1: split += to_local(p.grad).pow(2).sum()", "tp2", "the replicated tensors' squares summed over tp"),
     fault("tp_grad_norm: mean where sum", "tensor_parallel",
           "dist.all_reduce(split, group=group)  # one number per rank",
           "dist.all_reduce(split, group=group); split /= dist.get_world_size(group)", "sp2",
@@ -170,6 +171,10 @@ FAULTS = [
     fault("mesh buckets: 1-D tensors left out", "ddp", "        open_ = buckets.setdefault(t.dtype, [[]])[-1]\n",
           "        if t.dim() == 1: continue\n        open_ = buckets.setdefault(t.dtype, [[]])[-1]\n", "cp2",
           "biases and norms in no bucket: each cp rank keeps its chunk's gradient of them, never summed"),
+    fault("mesh FSDP2: mean where sum", "engine", "            unit.set_gradient_divide_factor(1.0)\n", "",
+          "cp2 zero2", "FSDP2's default reduction on the mesh: each gradient averaged over dp x cp, not summed"),
+    fault("mesh FSDP2: norm of one shard", "mesh", "    if self.fsdp: dist.all_reduce(sq, group=self.g[\"data\"])",
+          "    pass", "cp2 zero2", "the gradient norm of this rank's FSDP2 shards only, not summed over dp x cp"),
     fault("cross-layout: AdamW's step count lost", "reshard", '{"step": step.clone(), **t}',
           '{"step": torch.zeros_like(step), **t}', "tp2 to one",
           "a mesh checkpoint's moments saved without their step: the resumed AdamW corrects its bias as at step 1"),

@@ -57,6 +57,10 @@ PATHS = {
     # around tp's all-reduces and cp's ring
     "tp2 pp2 zbv": (4, [*WHOLE, "--tp", "2", "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),
     "cp2 pp2 zbv": (4, [*WHOLE, "--cp", "2", "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),  # chunks on T/cp
+    # ZeRO on the mesh: FSDP2 over the data axes (07c's apply_fsdp), dp or dp x cp, around tp's and cp's collectives
+    # (cp 2 on 2 processes: dp 1, so FSDP2 shards over the flattened dp x cp = 2 ranks)
+    "cp2 zero2": (2, [*WHOLE, "--cp", "2", "--zero_stage", "2"], "one", "fast"),
+    "dp2 tp2 zero3": (4, [*HALF, "--tp", "2", "--zero_stage", "3"], "one", "full"),
 }
 REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE])}
 # Equal to one process holds with a flag silently ignored too: a rank must keep fewer bytes for backward than the
@@ -81,7 +85,9 @@ BF16_PATHS = {"bf16 zero2": (2, [*SMALL, "--batch_size", "2", "--zero_stage", "2
 # source -> target, both in PATHS (or "one")
 RESUMES = {"tp2 to one": ("tp2", "one"), "pp2 1f1b to one": ("pp2 1f1b", "one"), "cp2 ring to one": ("cp2 ring", "one"),
            "dp2 tp2 to dp4": ("dp2 tp2", "dp4"), "zero3 to dp2": ("zero3", "dp2"),
-           "dp2 to tp2": ("dp2", "tp2"), "dp2 to pp2 1f1b": ("dp2", "pp2 1f1b")}  # DDP's whole files, cut
+           "dp2 to tp2": ("dp2", "tp2"), "dp2 to pp2 1f1b": ("dp2", "pp2 1f1b"),  # DDP's whole files, cut
+           "dp2 tp2 zero3 to dp4": ("dp2 tp2 zero3", "dp4"),  # FSDP2's shards gathered into one process's
+           "dp2 tp2 to dp2 tp2 zero3": ("dp2 tp2", "dp2 tp2 zero3")}  # and cut into FSDP2's rows
 SAVES = ["--save_every", "1"]
 BF16_REFERENCES = {"fp32": (1, [*SMALL, "--batch_size", "4", *FP32]), "bf16": (1, [*SMALL, "--batch_size", "4", *BF16])}
 ROWS = []  # (path, processes, losses, norms, worst tensor (name)): printed after the module
