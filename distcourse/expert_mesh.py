@@ -36,7 +36,7 @@ class ExpertMesh(Mesh):
         # Mesh's loader, rows, train_steps and activation_bytes read d, dp_rank, rng, device, autocast
         self.world = world = dist.get_world_size() if dist.is_initialized() else 1  # 1: no process group
         self.ep, self.name, self.seed, self.d = cfg.ep, cfg.model, cfg.seed, {"dp": world, "tp": 1, "pp": 1, "cp": 1}
-        self.dp_rank, self.rng, self.autocast, self.tokens = dist.get_rank() if world > 1 else 0, None, autocast, 0
+        self.dp_rank, self.rng, self.autocast = dist.get_rank() if world > 1 else 0, None, autocast
         self.device = torch.device(device if device is not None else "cpu")
         with torch.random.fork_rng(devices=[]):  # the same whole model on every rank, and on one process
             torch.manual_seed(cfg.seed)
@@ -101,7 +101,6 @@ def step(self: ExpertMesh, micro, max_grad_norm=1.0, on_grads=None) -> dict:  # 
     self.opt.step()
     self.sched.step()
     self.opt.zero_grad(set_to_none=True)
-    self.tokens += int(n)
     return {"loss": total.item(), "tokens": int(n), "grad_norm": norm}
 
 # %% ../nbs/05m_expert_trainer.ipynb #e0739a4c

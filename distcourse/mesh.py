@@ -104,7 +104,7 @@ class Mesh:
         rank, world, tp, pp, cp = dist.get_rank(), dist.get_world_size(), cfg.tp, cfg.pp, cfg.cp
         self.device = torch.device(device) if device is not None else next(hf.parameters()).device
         self.d = d = {"dp": world // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
-        self.hf, self.schedule, self.autocast, self.tokens = hf, cfg.pp_schedule, autocast, 0
+        self.hf, self.schedule, self.autocast = hf, cfg.pp_schedule, autocast
         self.cp_impl, self.scale = getattr(cfg, "cp_impl", "ring"), 1  # cp's attention (CP_IMPLS); step's local/n
         self.cfg, self.fsdp = cfg, False  # fsdp: ZeRO-2/3's FSDP2 over the data axes applied (07c's apply_fsdp)
         self.layout = mesh_layout(world, tp, pp, cp)  # the formula: pipe_groups reads every pipeline's ranks
@@ -198,7 +198,6 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
     self.opt.step()
     self.sched.step()
     self.opt.zero_grad(set_to_none=True)
-    self.tokens += int(n)  # seen so far
     return {"loss": (total / n).item(), "tokens": int(n), "grad_norm": norm.item()}
 
 # %% ../nbs/05k_mesh.ipynb #c71f732e
