@@ -19,6 +19,7 @@ from .mesh import Mesh
 from .recompute import activation_bytes
 from .reshard import MeshState, load_into_mesh, load_whole
 from .resume import ShardedState
+from .schedules import Chunks
 from .zero import prepare_zero
 
 # %% ../nbs/07c_engine.ipynb #1827c3d8
@@ -137,14 +138,15 @@ def make_engine(cfg,  # the trainer's Config (or its fields): tp, pp, cp and the
     return DataParallelEngine(hf, cfg, acc)
 
 # %% ../nbs/07c_engine.ipynb #8e5139bd
-def apply_fsdp(mesh):  # a Mesh (05k) without pipeline stages (05ja refuses pp with ZeRO), before its first step
-    "ZeRO-2/3 on the mesh: FSDP2 shards each block, then the rest of the piece, over the data axes; `mesh`."
+def apply_fsdp(mesh):  # a Mesh (05k), before its first step
+    "ZeRO-2/3 on the mesh: FSDP2 shards each block, then the rest of each piece, over the data axes; `mesh`."
     cfg = mesh.cfg  # zero_stage (2 or 3), lr, weight_decay, warmup_steps, max_steps
     data = mesh.device_mesh["dp", "cp"]._flatten("dp_cp") if mesh.d["cp"] > 1 else mesh.device_mesh["dp"]
     kw = dict(mesh=data, reshard_after_forward=cfg.zero_stage == 3)  # 3: weights freed between forward and backward
-    if mesh.d["cp"] == 1:  # under cp, 05k's _cp_run calls each block's parts, not the block: one unit for all
-        for block in mesh.model.transformer.h: fully_shard(block, **kw)
-    fully_shard(mesh.model, **kw)  # embeddings, final norm, head: the root unit (under cp, everything)
+    for piece in mesh.model if isinstance(mesh.model, Chunks) else [mesh.model]:  # the GPT, a stage, or chunks
+        if mesh.d["cp"] == 1:  # under cp, 05k's _cp_run calls each block's parts, not the block: one unit for all
+            for block in piece.transformer.h.children(): fully_shard(block, **kw)  # a ModuleList or a stage's dict
+        fully_shard(piece, **kw)  # embeddings, final norm, head: the piece's root unit (under cp, everything)
     for unit in mesh.model.modules():
         if isinstance(unit, FSDPModule):  # reduce-scatter the sum, as the mesh's step sums
             unit.set_gradient_divide_factor(1.0)

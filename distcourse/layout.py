@@ -87,19 +87,17 @@ def _check_experts(d, n_expert):
         raise ValueError(f"the {n_expert} experts do not split over {d.ep} ranks (ep={d.ep}); use ep one of {fits}")
 
 # %% ../nbs/05ja_layout.ipynb #30aa3ab0
-_EXPERTS_WHY = "the expert trainer (05m) composes experts with data parallelism only, for now"
+_EXPERTS_WHY = "the expert trainer (05m) composes experts with data and tensor parallelism only, for now"
 REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the one place they live.
     ("mesh", "zero1"): "ZeRO-1 (05a's flat optimizer) shards the AdamW state of DDP's whole model; on the mesh "
                        "ZeRO is FSDP2 over the data axes (07c's apply_fsdp), stages 2 and 3",
-    ("pp", "zero_stage"): "FSDP2 is not yet composed with the pipeline's schedules (a reduce-scatter per micro-batch "
-                          "inside 1F1B, the tied embedding's copies summed across stages on plain tensors)",
     ("mesh", "task"): "the mesh trains the course's causal GPT (a GPT-2 preset, converted by 01a's to_gpt)",
     ("mesh", "model"): "the mesh trains the course's GPT, converted from the GPT-2 presets by 01a's to_gpt",
     ("cp", "dropout"): "ring and Ulysses attention have no attention dropout, and context-parallel ranks would draw "
                        "the same masks for different tokens (their chunks would need a random state per cp rank)",
     ("pp", "dropout"): "every pipeline stage starts from the same seed, so its layers' masks repeat another "
                        "stage's instead of being drawn independently (stages would need seeds of their own)",
-    **{("experts", k): _EXPERTS_WHY for k in ("tp", "cp", "pp", "zero_stage", "activation_checkpointing", "task")}}
+    **{("experts", k): _EXPERTS_WHY for k in ("cp", "pp", "zero_stage", "activation_checkpointing", "task")}}
 
 
 def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 from .gpt import GPT, GPTConfig
 
@@ -160,8 +161,8 @@ def pp_groups(pp) -> SimpleNamespace:
 def sync_tied(stage, groups):
     "Sum the gradients of the tied matrix's two copies (wte on the first stage, lm_head on the last)."
     if stage.pp == 1 or not (stage.is_first or stage.is_last): return
-    weight = stage.transformer.wte.weight if stage.is_first else stage.lm_head.weight
-    dist.all_reduce(weight.grad, group=groups.embed)  # both copies now hold the whole gradient
+    grad = (stage.transformer.wte if stage.is_first else stage.lm_head).weight.grad  # FSDP2's (07c): a DTensor
+    dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=groups.embed)  # both whole now
 
 # %% ../nbs/05e_pipeline.ipynb #0f39d173
 def _recv(shape, src, groups, device, grad=False):  # device: the stage's; grad: True for an input
@@ -218,9 +219,8 @@ def torch_pipeline_step(stage, x, y, # this rank's GPTStage; the whole batch (B,
     def loss_fn(logits, targets): return token_loss(logits, targets, n_tokens)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     sched, losses = cls(pipe_stage, micro_batches, loss_fn=loss_fn, scale_grads=False), []
-    if stage.is_first: sched.step(x)  # cut into micro-batches along dim 0, as split_micro_batches does
-    elif stage.is_last: sched.step(target=y, losses=losses)
-    else: sched.step()
+    # the first stage's x is cut into micro-batches along dim 0, as split_micro_batches does; the last takes y
+    sched.step(*((x,) if stage.is_first else ()), **(dict(target=y, losses=losses) if stage.is_last else {}))
     sync_tied(stage, groups)
     loss = torch.stack(losses).sum().detach() if stage.is_last else torch.zeros((), device=x.device)
     dist.broadcast(loss, groups.ranks[-1], group=groups.pipe)

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import (PipelineStage, ScheduleDualPipeV, Sche
 
 from .gpt import GPTConfig
 from .pipeline import (GPTStage, _gather, _report, _setup, bubble_fraction, pp_groups,
-                                 schedule_actions, split_micro_batches, token_loss)
+                                 schedule_actions, split_micro_batches, sync_tied, token_loss)
 
 # %% ../nbs/05f_schedules.ipynb #75f1d40a
 HAND = ("gpipe", "1f1b", "interleaved", "zb-h1")  # the schedules this lesson writes out
@@ -169,12 +169,12 @@ def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage
 # %% ../nbs/05f_schedules.ipynb #85f9e9f9
 def sync_tied_chunks(chunks, groups):
     "Sum the tied matrix's two copies' gradients: on one rank (V-shape) or over first and last."
-    tied = [st.transformer.wte.weight if st.is_first else st.lm_head.weight
-            for st in chunks if st.is_first or st.is_last]
-    if len(tied) == 2:  # both copies here (rank 0 of a V-shape): add them locally
+    ends = [st for st in chunks if st.is_first or st.is_last]
+    if len(ends) == 2:  # both copies here (rank 0 of a V-shape): add them locally
+        tied = [st.transformer.wte.weight if st.is_first else st.lm_head.weight for st in ends]
         total = tied[0].grad + tied[1].grad
         for w in tied: w.grad.copy_(total)
-    elif tied: dist.all_reduce(tied[0].grad, group=groups.embed)
+    elif ends: sync_tied(ends[0], groups)  # 05e's, over first and last rank
 
 TORCH = {"interleaved": (ScheduleInterleaved1F1B, "loop"),      # Megatron's interleaving
          "zb": (ScheduleInterleavedZeroBubble, "loop"),         # zero bubble on looped chunks

@@ -145,10 +145,10 @@ def tensor_parallel(model, group=None,  # a GPT; the ranks that share its blocks
     model = copy.deepcopy(model)
     model.rng = RNGTracker(tp=tp_seed(seed, dist.get_rank(group)))  # Megatron's: seed + 2718 + rank
     for block in model.transformer.h:
-        a, m = block.attn, block.mlp
+        a, m = block.attn, block.mlp if hasattr(block.mlp, "c_fc") else None  # None: 05j's experts, kept whole
         qkv, proj = ColumnParallelLinear(a.c_attn, group, parts=3), RowParallelLinear(a.c_proj, group)
         block.attn = ParallelSelfAttention(qkv, proj, c.n_embd // c.n_head, c.dropout, model.rng)
-        m.c_fc, m.c_proj = ColumnParallelLinear(m.c_fc, group), RowParallelLinear(m.c_proj, group)
+        if m is not None: m.c_fc, m.c_proj = ColumnParallelLinear(m.c_fc, group), RowParallelLinear(m.c_proj, group)
     return model
 
 def assert_sharded(model, tp):

@@ -97,7 +97,7 @@ def test_ep2_resume_is_exact(runs, tmp_path):
     (2, ["--ep", "2"], "needs a model with experts (n_expert=1); use ep=1"),
     (2, ["--model", "tiny-moe", "--ep", "3"], "experts do not split over 3 ranks"),
     (3, ["--model", "tiny-moe", "--ep", "2"], "does not divide the 3 processes"),
-    (4, ["--model", "tiny-moe", "--ep", "2", "--tp", "2"], "composes experts with data parallelism only"),
+    (4, ["--model", "tiny-moe", "--ep", "2", "--pp", "2"], "composes experts with data and tensor parallelism only"),
     (2, ["--model", "tiny-moe", "--ep", "2", "--zero_stage", "1"], "use --zero_stage 0"),
     (1, ["--model", "tiny-moe", "--task", "cls"], "use --task clm")])
 def test_refused_before_launch(world, flags, says, monkeypatch, tmp_path):

@@ -25,12 +25,10 @@ pytestmark = pytest.mark.fast  # parsing, planning and a fake process group: sec
 
 CASES = {  # a row of REFUSED -> (processes, flags) that use exactly that pair
     ("mesh", "zero1"): (4, ["--tp", "2", "--zero_stage", "1"]),
-    ("pp", "zero_stage"): (4, ["--pp", "2", "--grad_accum", "2", "--zero_stage", "2"]),
     ("mesh", "task"): (2, ["--tp", "2", "--task", "mlm"]),
     ("mesh", "model"): (2, ["--tp", "2", "--model", "{gpt2}"]),
     ("cp", "dropout"): (2, ["--cp", "2", "--model", "base"]),
     ("pp", "dropout"): (2, ["--pp", "2", "--grad_accum", "2", "--model", "base"]),
-    ("experts", "tp"): (2, ["--model", "tiny-moe", "--tp", "2"]),
     ("experts", "cp"): (2, ["--model", "tiny-moe", "--cp", "2"]),
     ("experts", "pp"): (2, ["--model", "tiny-moe", "--pp", "2", "--grad_accum", "2"]),
     ("experts", "zero_stage"): (2, ["--model", "tiny-moe", "--zero_stage", "1"]),
@@ -76,14 +74,13 @@ def test_a_restated_rule_is_caught(monkeypatch, tmp_path):
         return d
     monkeypatch.setattr(config, "check", restating)
     assert not accepted_without(("mesh", "zero1"), monkeypatch, tmp_path)
-    assert accepted_without(("experts", "tp"), monkeypatch, tmp_path)  # the rows it does not restate: unlocked
+    assert accepted_without(("experts", "cp"), monkeypatch, tmp_path)  # the rows it does not restate: unlocked
 
 
 PLANNED = {  # a row -> (model, a property of a layout that only the row keeps out of the planner's list)
     ("mesh", "zero1"): ("small", lambda L: L.tp > 1 and L.zero_stage == 1),
-    ("pp", "zero_stage"): ("small", lambda L: L.pp > 1 and L.zero_stage > 0),
     ("experts", "pp"): ("tiny-moe", lambda L: L.pp > 1),
-    ("experts", "tp"): ("tiny-moe", lambda L: L.tp > 1),
+    ("experts", "cp"): ("tiny-moe", lambda L: L.cp > 1),
 }
 
 

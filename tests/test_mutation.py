@@ -44,7 +44,9 @@ LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
            "pp2 zbv": (2, [*FOUR, "--pp", "2", "--pp_schedule", "zbv", *WHOLE], "one4"),  # rank 0: both tied
            "dp2 pp2": (4, ["--pp", "2", "--pp_schedule", "1f1b", *HALF], "one"),  # local / n: 1/2 (1 at dp 1)
            "ep2": (2, [*MOE, "--ep", "2", *HALF], "one moe"),  # 2 of the 4 experts per rank
-           "cp2 zero2": (2, ["--cp", "2", "--zero_stage", "2", *WHOLE], "one")}  # FSDP2 over dp x cp = 2 (07c)
+           "tp2 moe": (2, [*MOE, "--tp", "2", *WHOLE], "one moe"),  # attention split, every expert on both ranks
+           "cp2 zero2": (2, ["--cp", "2", "--zero_stage", "2", *WHOLE], "one"),  # FSDP2 over dp x cp = 2 (07c)
+           "dp2 pp2 zero2": (4, ["--pp", "2", "--pp_schedule", "1f1b", "--zero_stage", "2", *HALF], "one")}
 
 
 def fault(name, module, old, new, check, what):  # old: text that occurs exactly once in the module
@@ -79,8 +81,8 @@ FAULTS = [
           '    sq = split + whole\n'
           '    if self.d["cp"] > 1: dist.all_reduce(sq, group=self.g["cp"])\n',
           "cp2", "the norm's squares summed over cp ranks that each hold the whole gradient"),
-    fault("pp: mean where sum", "pipeline", "dist.all_reduce(weight.grad, group=groups.embed)",
-          "dist.all_reduce(weight.grad, group=groups.embed); weight.grad.div_(2)", "pp2",
+    fault("pp: mean where sum", "pipeline", "else grad, group=groups.embed)",
+          "else grad, group=groups.embed); grad.div_(2)", "pp2",
           "the tied matrix's two stage gradients averaged"),
     fault("pp: sum where mean", "mesh", '(pp > 1 and n.endswith("lm_head.weight"))', "False", "pp2",
           "the tied matrix's squares summed over first and last stage (counted twice)"),
@@ -89,8 +91,8 @@ FAULTS = [
     fault("micro-batch dropped", "ddp", "micro = [next(batches) for _ in range(grad_accum)]",
           "micro = [next(batches) for _ in range(grad_accum)][1:]", "dp2",
           "each step's first micro-batch read but not trained on"),
-    fault("tied sync removed", "pipeline", "dist.all_reduce(weight.grad, group=groups.embed)",
-          "pass", "pp2", "wte (first stage) and lm_head (last) keep their own gradients"),
+    fault("tied sync removed", "pipeline",
+          "dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=groups.embed)", "pass", "pp2", "wte (first stage) and lm_head (last) keep their own gradients"),
     fault("zig-zag shifted", "context_parallel",
           "return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids])",
           "return (torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in ids]) + c) % T", "cp2",
@@ -117,18 +119,19 @@ FAULTS = [
           'return _a2a(grad, gather, scatter, ctx.group, ctx.stats, "grad_a2a") / dist.get_world_size(ctx.group)',
           "cp2 ulysses", "the all-to-all's backward, a permutation, divided by cp as if it averaged"),
     fault("ep: experts summed over all ranks", "expert_mesh",
-          "_all_reduce_flat([p.grad for p in grads if id(p) not in experts], None)",
-          "_all_reduce_flat([p.grad for p in grads], None)", "ep2",
+          '_all_reduce_flat([p.grad for p in grads if id(p) not in experts], self.g["data"])',
+          '_all_reduce_flat([p.grad for p in grads], self.g["data"])', "ep2",
           "each rank's experts' gradients added to the other rank's (other) experts'"),
     fault("ep: aux over this rank's sequences", "expert_mesh", "n, self.seqs = n[0], int(n[1])",
           "n, self.seqs = n[0], int(n[1]) // self.world", "ep2",
           "the load-balancing loss's share taken of 1/world of the global batch's sequences (x world)"),
-    fault("ep: norm mean where sum", "experts", "if ep_group is not None: dist.all_reduce(ex, group=ep_group)",
-          "if ep_group is not None: dist.all_reduce(ex, group=ep_group); ex /= dist.get_world_size(ep_group)",
+    fault("ep: norm mean where sum", "expert_mesh", 'dist.all_reduce(sq["experts"], group=self.ep_group)',
+          'dist.all_reduce(sq["experts"], group=self.ep_group); sq["experts"] /= self.ep',
           "ep2", "the experts' squares averaged over ep ranks that hold different experts"),
     fault("schedules: tied sync mean where sum", "schedules",
-          "elif tied: dist.all_reduce(tied[0].grad, group=groups.embed)",
-          "elif tied: dist.all_reduce(tied[0].grad, group=groups.embed); tied[0].grad.div_(2)", "pp2 interleaved",
+          "elif ends: sync_tied(ends[0], groups)",
+          "elif ends: sync_tied(ends[0], groups); ends[0].transformer.wte.weight.grad.div_(2) if ends[0].is_first "
+          "else ends[0].lm_head.weight.grad.div_(2)", "pp2 interleaved",
           "looped chunks: the first and last rank's tied copies averaged"),
     fault("schedules: V tied copies averaged", "schedules", "total = tied[0].grad + tied[1].grad",
           "total = (tied[0].grad + tied[1].grad) / 2", "pp2 zbv", "V-shape: rank 0's two tied copies averaged"),
@@ -175,6 +178,19 @@ FAULTS = [
           "cp2 zero2", "FSDP2's default reduction on the mesh: each gradient averaged over dp x cp, not summed"),
     fault("mesh FSDP2: norm of one shard", "mesh", "    if self.fsdp: dist.all_reduce(sq, group=self.g[\"data\"])",
           "    pass", "cp2 zero2", "the gradient norm of this rank's FSDP2 shards only, not summed over dp x cp"),
+    fault("pipeline FSDP2: tied rows summed in a copy", "pipeline",
+          "dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad",
+          "dist.all_reduce(grad.full_tensor() if isinstance(grad, DTensor) else grad", "dp2 pp2 zero2",
+          "the tied embedding's copies summed in a gathered copy that is then dropped: each stage keeps its own share"),
+    fault("experts x tp: dense gradients summed over tp too", "expert_mesh",
+          'if self.d["dp"] > 1:  # every dp rank its own rows (under tp: the dp ranks of this tp index)\n'
+          '        _all_reduce_flat([p.grad for p in grads if id(p) not in experts], self.g["data"])',
+          'if self.world > 1:\n        _all_reduce_flat([p.grad for p in grads if id(p) not in experts], None)', "tp2 moe",
+          "the dense gradients summed over every rank (05m before tp): tp's slices and whole copies added across tp"),
+    fault("experts x tp: each expert counted per tp rank", "expert_mesh",
+          'dist.all_reduce(sq["experts"], group=self.ep_group)',
+          'dist.all_reduce(sq["experts"], group=self.ep_group)\n    dist.all_reduce(sq["experts"], group=self.g["tp"])',
+          "tp2 moe", "the experts' squares summed over the tp ranks that each hold the same expert whole"),
     fault("cross-layout: AdamW's step count lost", "reshard", '{"step": step.clone(), **t}',
           '{"step": torch.zeros_like(step), **t}', "tp2 to one",
           "a mesh checkpoint's moments saved without their step: the resumed AdamW corrects its bias as at step 1"),
