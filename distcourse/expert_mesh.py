@@ -25,6 +25,7 @@ from .layout import ParallelDims, build_mesh
 from .loop import make_optimizer, make_scheduler
 from .memory import adamw_peak_bytes, peak_first_step
 from .mesh import Mesh
+from .recompute import checkpoint_blocks
 from .tensor_parallel import gather_full_state, is_split, tensor_parallel
 
 # %% ../nbs/05m_expert_trainer.ipynb #3585e1cd
@@ -44,7 +45,7 @@ class ExpertMesh(Mesh):
     split over tp (05c), a step equal to one process."""
     def __init__(self, vocab_size,  # the tokenizer's: rows of the embedding
                  cfg,               # a trainer Config: model (a MOE_PRESETS name), ep, seed, lr, weight_decay,
-                                    # warmup_steps, max_steps; tp (1 if none)
+                                    # warmup_steps, max_steps; tp (1 if none), activation_checkpointing (False)
                  autocast=nullcontext, device=None):  # as `Mesh`'s
         # Mesh's loader, rows, train_steps and activation_bytes read d, dp_rank, g, rng, seed, device, autocast
         self.world = world = dist.get_world_size() if dist.is_initialized() else 1  # 1: no process group
@@ -60,6 +61,7 @@ class ExpertMesh(Mesh):
         self.config = model.config
         if tp > 1: model = tensor_parallel(model, self.g["tp"], cfg.seed)  # attention's heads; experts whole per rank
         self.rng = getattr(model, "rng", None)  # tp: the split heads' dropout state
+        checkpoint_blocks(model, getattr(cfg, "activation_checkpointing", False))  # 05b: all-to-alls replayed too
         self.ep_group, self.copies = self.g["ep"], self.g["copies"]
         if self.ep > 1: expert_parallel(model, self.ep_group)
         self.model = model.to(self.device)

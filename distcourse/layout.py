@@ -97,7 +97,7 @@ REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the
                        "the same masks for different tokens (their chunks would need a random state per cp rank)",
     ("pp", "dropout"): "every pipeline stage starts from the same seed, so its layers' masks repeat another "
                        "stage's instead of being drawn independently (stages would need seeds of their own)",
-    **{("experts", k): _EXPERTS_WHY for k in ("cp", "pp", "zero_stage", "activation_checkpointing", "task")}}
+    **{("experts", k): _EXPERTS_WHY for k in ("cp", "pp", "zero_stage", "task")}}
 
 
 def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:

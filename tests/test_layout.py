@@ -32,7 +32,6 @@ CASES = {  # a row of REFUSED -> (processes, flags) that use exactly that pair
     ("experts", "cp"): (2, ["--model", "tiny-moe", "--cp", "2"]),
     ("experts", "pp"): (2, ["--model", "tiny-moe", "--pp", "2", "--grad_accum", "2"]),
     ("experts", "zero_stage"): (2, ["--model", "tiny-moe", "--zero_stage", "1"]),
-    ("experts", "activation_checkpointing"): (1, ["--model", "tiny-moe", "--activation_checkpointing", "true"]),
     ("experts", "task"): (1, ["--model", "tiny-moe", "--task", "mlm"]),
 }
 

@@ -68,13 +68,14 @@ PATHS = {
     # experts with tp (05m): attention split over tp, each expert whole on its tp ranks; all-to-all over the ep ranks
     # of one tp index, experts' gradients summed over their copies, the norm counting each expert once
     "ep2 tp2": (4, [*MOE, *HALF, "--ep", "2", "--tp", "2"], "one moe", "full"),
+    "ep2 ac": (2, [*MOE, *HALF, "--ep", "2", *AC], "one moe", "full"),  # each block's all-to-alls replayed
     "pp2 zbv zero2": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zbv", "--zero_stage", "2"], "one", "fast"),  # dp 1
 }
 REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE])}
 # Equal to one process holds with a flag silently ignored too: a rank must keep fewer bytes for backward than the
 # same layout without the flag (run.json's activation_bytes): recomputation keeps block inputs only; under
 # PyTorch's schedules tp keeps its heads' and MLP columns' share, cp its chunk of the sequence.
-LESS = {"tp2 ac": "tp2", "tp2 cp2 ac": "tp2 cp2", "pp2 zbv ac": "pp2 zbv", "tp2 pp2 zbv": "pp2 zbv",
+LESS = {"ep2 ac": "ep2", "tp2 ac": "tp2", "tp2 cp2 ac": "tp2 cp2", "pp2 zbv ac": "pp2 zbv", "tp2 pp2 zbv": "pp2 zbv",
         "cp2 pp2 zbv": "pp2 zbv"}
 # ZeRO on the mesh holds less, not only the same numbers: FSDP2 over 2 data ranks leaves each rank half of AdamW's
 # moments (run.json's first-step peak, OPT; measured 2026-11-29: dp2 pp2 9.37 MB -> dp2 pp2 zero3 4.69 MB a rank).
