@@ -89,8 +89,6 @@ def _check_experts(d, n_expert):
 # %% ../nbs/05ja_layout.ipynb #30aa3ab0
 _EXPERTS_WHY = "the expert trainer (05m) composes experts with data and tensor parallelism only, for now"
 REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the one place they live.
-    ("mesh", "zero1"): "ZeRO-1 (05a's flat optimizer) shards the AdamW state of DDP's whole model; on the mesh "
-                       "ZeRO is FSDP2 over the data axes (07c's apply_fsdp), stages 2 and 3",
     ("mesh", "task"): "the mesh trains the course's causal GPT (a GPT-2 preset, converted by 01a's to_gpt)",
     ("mesh", "model"): "the mesh trains the course's GPT, converted from the GPT-2 presets by 01a's to_gpt",
     ("cp", "dropout"): "ring and Ulysses attention have no attention dropout, and context-parallel ranks would draw "
@@ -149,11 +147,11 @@ def layout_flags(c) -> str:  # c: as `by_dcp` takes it
 
 def check_resume(was, now):  # was: the saved run's settings; now: the resuming run's
     "Raise a ValueError naming the layouts that can, unless a run laid out as `now` reads `was`'s checkpoints."
-    if by_dcp(was):  # one process's names and whole shapes in dcp's index: every layout reads them but ZeRO-1
-        if _settings(now).get("zero_stage", 0) != 1: return
+    if by_dcp(was):  # one process's names and whole shapes in dcp's index: every layout reads them but DDP's ZeRO-1
+        if _settings(now).get("zero_stage", 0) != 1 or by_dcp(now): return  # the mesh's ZeRO-1 reads them (07b)
         raise ValueError(f"saved with {layout_flags(was)}, its model and AdamW written by dcp, which DDP, ZeRO-2/3 "
-                         "and any --tp, --pp, --cp read; ZeRO-1 reads Accelerate's whole files only: resume with "
-                         "--zero_stage 0 or 2, or start fresh in another --output_dir")
+                         "and any --tp, --pp, --cp read; ZeRO-1 without them reads Accelerate's whole files only: "
+                         "resume with --zero_stage 0 or 2, or start fresh in another --output_dir")
     z = _settings(was).get("zero_stage", 0)
     if _settings(now).get("zero_stage", 0) == z and (z == 0 or not by_dcp(now)): return  # any number of processes
     readers = "DDP and any --tp, --pp, --cp read" if z == 0 else f"only {layout_flags(was)} reads (no --tp, --pp, --cp)"

@@ -27,7 +27,7 @@ from .loop import make_optimizer, make_scheduler, setup
 from .resume import ShardedState
 from .schedules import Chunks
 from .tensor_parallel import gather_full_state, is_split, shard
-from .zero import prepare_zero
+from .zero import FlatZeroOptimizer, _flat_slice, prepare_zero
 
 # %% ../nbs/07b_reshard.ipynb #e5faf22d
 def example_ids(dataset) -> dict:
@@ -107,6 +107,30 @@ def _fresh_adam_state(opt):
     opt.zero_grad(set_to_none=True)
 
 
+def _moments(opt) -> dict:  # opt: a mesh's AdamW, or 05a's FlatZeroOptimizer (ZeRO-1 on the mesh, 07c)
+    "{parameter: its AdamW state}, whole on this rank: ZeRO-1's flat slices gathered over its group (a collective)."
+    if not isinstance(opt, FlatZeroOptimizer): return opt.state
+    out = {}
+    for ps, s in zip(opt.groups, opt.shards):  # a flat buffer per parameter group, its slices on the data axis
+        st, whole = opt.optim.state[s], {}
+        for k in ("exp_avg", "exp_avg_sq"):
+            whole[k] = st[k].new_empty(st[k].numel() * opt.world)
+            dist.all_gather_single(whole[k], st[k].contiguous(), group=opt.pg)
+        start = 0
+        for p in ps:  # views: what is copied into them reaches `whole`, which _scatter_moments slices
+            out[p] = {"step": st["step"], **{k: v[start:start + p.numel()].view_as(p) for k, v in whole.items()}}
+            start += p.numel()
+    return out
+
+
+def _scatter_moments(opt, moments):  # moments: _moments(opt), loaded into
+    "ZeRO-1: each flat buffer's slice of this rank, cut from the whole moments (a plain AdamW holds them already)."
+    if not isinstance(opt, FlatZeroOptimizer): return
+    for ps, s in zip(opt.groups, opt.shards):
+        st, lo = opt.optim.state[s], opt.rank * s.numel()
+        for k in ("exp_avg", "exp_avg_sq"): st[k].copy_(_flat_slice([moments[p][k] for p in ps], lo, lo + s.numel()))
+
+
 WTE, HEAD = "transformer.wte.weight", "lm_head.weight"  # GPT-2's tied matrix: one tensor, two names
 
 
@@ -154,14 +178,14 @@ class MeshState:
         if not m.opt.state: _fresh_adam_state(m.opt)  # a run about to load: tensors of the right shapes
         if hasattr(m, "piece"):  # 05m's ExpertMesh: each rank's experts under its piece's name (its own layout)
             return {m.piece(): {"model": m.model.state_dict(), "optimizer": m.opt.state_dict()}}
-        tp, model, moments = m.d["tp"], {}, {}
+        tp, model, moments, adam = m.d["tp"], {}, {}, _moments(m.opt)
         for piece in _pieces(m):  # this stage's tensors only: dcp joins the stages' keys into one checkpoint
             model |= _whole(piece, lambda p: p.detach(), tp)  # the weights, out of autograd
             for k in ("exp_avg", "exp_avg_sq"):  # the last stage's tied copy under wte, as one process's AdamW has
-                for n, t in _whole(piece, lambda p: m.opt.state[p][k], tp).items():  # it (equal to the first's)
+                for n, t in _whole(piece, lambda p: adam[p][k], tp).items():  # it (equal to the first's)
                     moments.setdefault(WTE if n == HEAD else n, {})[k] = t
         if m.d["pp"] == 1: model[HEAD] = model[WTE]  # the GPT ties them; one process's state dict has both names
-        step = next(iter(m.opt.state.values()))["step"]  # AdamW's step count: the same for every tensor
+        step = next(iter(adam.values()))["step"]  # AdamW's step count: the same for every tensor
         one = make_optimizer(m.hf, 0.0)  # one process's groups (decayed or not), named as its parameters
         names = {p: n for n, p in m.hf.named_parameters()}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[p] for p in h["params"]]}
@@ -174,15 +198,16 @@ class MeshState:
         if hasattr(m, "piece"):
             m.model.load_state_dict(state[m.piece()]["model"])
             return m.opt.load_state_dict(state[m.piece()]["optimizer"])
-        saved, tp = state["optimizer"]["state"], m.d["tp"]
+        saved, tp, moments = state["optimizer"]["state"], m.d["tp"], _moments(m.opt)
         with torch.no_grad():
             for piece in _pieces(m):
                 for n, p in piece.named_parameters():
                     _put(p, _mine(piece, n, state["model"][n], tp))
-                    adam = m.opt.state[p]
+                    adam = moments[p]
                     s = saved[WTE if n == HEAD else n]  # the tied copy's moments: wte's
                     for k in ("exp_avg", "exp_avg_sq"): _put(adam[k], _mine(piece, n, s[k], tp))
                     adam["step"].copy_(s["step"])
+            _scatter_moments(m.opt, moments)  # ZeRO-1: this rank's slices of them
         for g, h in zip(m.opt.param_groups, state["optimizer"]["param_groups"]): g["lr"] = h["lr"]
 
 

@@ -22,7 +22,7 @@ Cases (input -> what the error line says):
   file type / could not be loaded, check the file / text column not found, --text_column
 - --zero_stage 1 on one process -> shards across processes but this run has 1: launch several
 - mesh: --tp 4 (2 heads), --tp 2 on 1 process, --pp 4 (2 layers), --cp 2 --seq_len 30,
-  --pp 2 --cp 2, --pp 2 with grad_accum 1 (1f1b), --tp 2 --zero_stage 1, --pp_schedule zb -> each
+  --pp 2 --cp 2, --pp 2 with grad_accum 1 (1f1b), --cp 2 --model base, --pp_schedule zb -> each
   names the numbers and its fix
 - --mixed_precision fp16 on CPU, --tracker bogus, --output_dir under a file, --push_to_hub offline
 - --push_to_hub online without HF_TOKEN -> refused before training: export HF_TOKEN=...
@@ -165,8 +165,8 @@ CASES = [
     ("cp_ulysses_heads", "--cp 4 --cp_impl ulysses", ["n_head/tp = 2 heads do not split over cp=4",
                                                       "or --cp_impl ring"]),
     ("pp_1f1b_accum", "--pp 2", ["micro_batches=1 < pp=2", "micro-batches are --grad_accum"]),
-    ("mesh_zero", "--tp 2 --zero_stage 1", ["with --zero_stage 1: ZeRO-1 (05a's flat optimizer)",
-                                            "use --zero_stage 2, or --tp 1"]),
+    ("mesh_dropout", "--cp 2 --model base", ["--cp 2 with --model base (dropout 0.1): ring and Ulysses",
+                                             "use a preset without dropout (tiny, small), or --cp 1"]),
     ("pp_schedule", "--pp_schedule zigzag", ["--pp_schedule 'zigzag'", "choose one of gpipe, 1f1b, interleaved"]),
     ("fp16_on_cpu", "--mixed_precision fp16", ["needs a CUDA GPU", "use bf16 or no"]),
     ("tracker", "--tracker bogus", ["--tracker 'bogus'", "choose one of"]),

@@ -24,7 +24,6 @@ from distcourse.mesh import mesh_layout
 pytestmark = pytest.mark.fast  # parsing, planning and a fake process group: seconds
 
 CASES = {  # a row of REFUSED -> (processes, flags) that use exactly that pair
-    ("mesh", "zero1"): (4, ["--tp", "2", "--zero_stage", "1"]),
     ("mesh", "task"): (2, ["--tp", "2", "--task", "mlm"]),
     ("mesh", "model"): (2, ["--tp", "2", "--model", "{gpt2}"]),
     ("cp", "dropout"): (2, ["--cp", "2", "--model", "base"]),
@@ -66,18 +65,18 @@ def test_a_row_removed_unlocks_it_in_the_configuration(row, monkeypatch, tmp_pat
 
 
 def test_a_restated_rule_is_caught(monkeypatch, tmp_path):
-    "The guard can fail: a configuration that also refuses tp with ZeRO on its own keeps the pair refused."
+    "The guard can fail: a configuration that also refuses experts with pp on its own keeps the pair refused."
     def restating(d, *args, **kw):
         layout.check(d, *args, **kw)
-        if d.tp > 1 and d.zero_stage: raise ValueError("--tp with --zero_stage: refused here too")
+        model = (args[3:4] or [kw.get("model")])[0]  # check(d, sizes, seq_len, grad_accum, model, ...)
+        if d.pp > 1 and model == "tiny-moe": raise ValueError("experts with --pp: refused here too")
         return d
     monkeypatch.setattr(config, "check", restating)
-    assert not accepted_without(("mesh", "zero1"), monkeypatch, tmp_path)
+    assert not accepted_without(("experts", "pp"), monkeypatch, tmp_path)
     assert accepted_without(("experts", "cp"), monkeypatch, tmp_path)  # the rows it does not restate: unlocked
 
 
 PLANNED = {  # a row -> (model, a property of a layout that only the row keeps out of the planner's list)
-    ("mesh", "zero1"): ("small", lambda L: L.tp > 1 and L.zero_stage == 1),
     ("experts", "pp"): ("tiny-moe", lambda L: L.pp > 1),
     ("experts", "cp"): ("tiny-moe", lambda L: L.cp > 1),
 }

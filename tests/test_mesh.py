@@ -168,7 +168,7 @@ def test_mesh_resume_is_exact(runs, name, tmp_path, monkeypatch):
     for n, p in one.named_parameters():  # whole, in transformers' shapes, whatever piece each rank held
         assert tuple(meta[f"custom_0.optimizer.state.{n}.exp_avg"].size) == tuple(p.shape), n
     monkeypatch.setenv("WORLD_SIZE", str(world))  # ZeRO-1 reads no dcp pieces: refused before a process starts
-    with pytest.raises(ConfigError, match="ZeRO-1 reads Accelerate's whole files only"):
+    with pytest.raises(ConfigError, match="ZeRO-1 without them reads Accelerate's whole files only"):
         parse_args([*ARGS, "--save_every", "5", "--resume", "latest", "--zero_stage", "1",
                     "--output_dir", str(again)])
     proc = run_cli([*trainer_cmd(world), *ARGS, *flags, "--save_every", "5", "--resume", "latest",

@@ -46,7 +46,8 @@ LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
            "ep2": (2, [*MOE, "--ep", "2", *HALF], "one moe"),  # 2 of the 4 experts per rank
            "tp2 moe": (2, [*MOE, "--tp", "2", *WHOLE], "one moe"),  # attention split, every expert on both ranks
            "cp2 zero2": (2, ["--cp", "2", "--zero_stage", "2", *WHOLE], "one"),  # FSDP2 over dp x cp = 2 (07c)
-           "dp2 pp2 zero2": (4, ["--pp", "2", "--pp_schedule", "1f1b", "--zero_stage", "2", *HALF], "one")}
+           "dp2 pp2 zero2": (4, ["--pp", "2", "--pp_schedule", "1f1b", "--zero_stage", "2", *HALF], "one"),
+           "cp2 zero1": (2, ["--cp", "2", "--zero_stage", "1", *WHOLE], "one")}  # 05a's flat AdamW over dp x cp
 
 
 def fault(name, module, old, new, check, what):  # old: text that occurs exactly once in the module
@@ -178,6 +179,9 @@ FAULTS = [
           "cp2 zero2", "FSDP2's default reduction on the mesh: each gradient averaged over dp x cp, not summed"),
     fault("mesh FSDP2: norm of one shard", "mesh", "    if self.fsdp: dist.all_reduce(sq, group=self.g[\"data\"])",
           "    pass", "cp2 zero2", "the gradient norm of this rank's FSDP2 shards only, not summed over dp x cp"),
+    fault("mesh ZeRO-1: gradients left unsummed", "mesh", "summed = [] if self.fsdp else grads",
+          'summed = [] if self.fsdp or type(self.opt).__name__ == "FlatZeroOptimizer" else grads', "cp2 zero1",
+          "ZeRO-1 taken for FSDP2: its flat AdamW steps on each cp rank's own gradients, never summed over dp x cp"),
     fault("pipeline FSDP2: tied rows summed in a copy", "pipeline",
           "dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad",
           "dist.all_reduce(grad.full_tensor() if isinstance(grad, DTensor) else grad", "dp2 pp2 zero2",

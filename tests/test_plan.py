@@ -61,9 +61,10 @@ def test_infeasible_layouts_are_not_enumerated():
     here = plan.load_profile("measured")
     found = plan.layouts(SMALL, 4, 16, 128, here, model="small", n_layer=4)
     assert found and all(L.world == 4 and L.dp * L.grad_accum * L.batch_size == 16 for L in found)
-    assert not any(L.tp == 3 or L.tp > 1 and L.zero_stage == 1 for L in found)  # 05c can't; the mesh refuses ZeRO-1
+    assert not any(L.tp == 3 for L in found)  # 05c can't split 4 heads 3 ways
     assert any(L.tp > 1 and L.zero_stage == 3 for L in found)  # FSDP2 over the data axes (07c): listed
-    assert plan.trainer_accepts(plan.Layout(2, 1, 2, batch_size=8), "small", 128, 4)  # the refusal, said
+    assert any(L.tp > 1 and L.zero_stage == 1 for L in found)  # 05a's flat AdamW over the data axes (07c): listed
+    assert plan.trainer_accepts(plan.Layout(1, cp=2, batch_size=8), "base", 128)  # the refusal (dropout), said
     base = plan.layouts(plan.shape_of("base"), 4, 16, 128, here, model="base", batch_sizes=(4,))
     assert base and not any(L.pp > 1 or L.cp > 1 for L in base)  # 09 refuses them: base has dropout
     dp4 = [plan.memory(SMALL, L, 128)["total"] for L in found if L.dp == 4 and not L.activation_checkpointing
