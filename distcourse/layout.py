@@ -36,6 +36,7 @@ class ParallelDims:
     activation_checkpointing: bool = False  # recompute each block's activations in backward (05b)
     pp_schedule: str = "1f1b"               # one of PP_SCHEDULES
     cp_impl: str = "ring"                   # one of CP_IMPLS
+    compile: str = "auto"                   # the trainer's --compile: "true" asks for torch.compile (09a)
 
     @property
     def dp(self) -> int: return self.world // (self.tp * self.cp * self.pp)
@@ -95,7 +96,10 @@ REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the
                        "the same masks for different tokens (their chunks would need a random state per cp rank)",
     ("pp", "dropout"): "every pipeline stage starts from the same seed, so its layers' masks repeat another "
                        "stage's instead of being drawn independently (stages would need seeds of their own)",
-    **{("experts", k): _EXPERTS_WHY for k in ("cp", "pp", "zero_stage", "task")}}
+    **{("experts", k): _EXPERTS_WHY for k in ("cp", "pp", "zero_stage", "task")},
+    **{(k, "compile"): "the mesh's and the experts' steps (05k, 05m) run eager: the trainer compiles DDP's loss only "
+                       "(09a), not tp's, cp's or ep's collectives inside their autograd functions" for k in
+       ("mesh", "experts")}}
 
 
 def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:
@@ -111,6 +115,7 @@ def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:
     if d.activation_checkpointing: out["activation_checkpointing"] = ("--activation_checkpointing true",
                                                                       "--activation_checkpointing false")
     if task != "clm": out["task"] = (f"--task {task}", "--task clm")
+    if d.compile == "true": out["compile"] = ("--compile true", "--compile auto")
     without = ", ".join(k for k, p in PRESETS.items() if p["dropout"] == 0)
     if dropout: out["dropout"] = (f"--model {model} (dropout {dropout})", f"a preset without dropout ({without})")
     return out

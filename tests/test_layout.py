@@ -32,6 +32,8 @@ CASES = {  # a row of REFUSED -> (processes, flags) that use exactly that pair
     ("experts", "pp"): (2, ["--model", "tiny-moe", "--pp", "2", "--grad_accum", "2"]),
     ("experts", "zero_stage"): (2, ["--model", "tiny-moe", "--zero_stage", "1"]),
     ("experts", "task"): (1, ["--model", "tiny-moe", "--task", "mlm"]),
+    ("mesh", "compile"): (2, ["--tp", "2", "--compile", "true"]),
+    ("experts", "compile"): (1, ["--model", "tiny-moe", "--compile", "true"]),
 }
 
 
