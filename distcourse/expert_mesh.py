@@ -96,7 +96,7 @@ def _experts(model) -> set: return {id(p) for m in moe_layers(model) for p in m.
 
 @patch
 def sum_grads(self: ExpertMesh):
-    "Σ of each gradient over the ranks holding a part of it: dense ones over the dp ranks, an expert's over its copies."
+    "Σ of each gradient over the ranks that hold a part of it: dense ones over dp, an expert's over its copies."
     experts, grads = _experts(self.model), [p for p in self.model.parameters() if p.grad is not None]
     if self.d["dp"] > 1:  # every dp rank its own rows (under tp: the dp ranks of this tp index)
         _all_reduce_flat([p.grad for p in grads if id(p) not in experts], self.g["data"])
@@ -179,7 +179,8 @@ def state_bytes(self: ExpertMesh) -> dict:
     experts = p["moe_layers"] * c["n_expert"] * p["expert"]  # every MoE layer's experts
     dense = p["total"] - experts
     if self.d["tp"] > 1:  # attention's tensors 1/tp (05c's slices), counted on this rank's piece
-        dense = sum(q.numel() for q in self.model.parameters() if id(q) not in _experts(self.model))
+        ids = _experts(self.model)
+        dense = sum(q.numel() for q in self.model.parameters() if id(q) not in ids)
     mine = dense + experts // self.ep
     sizes = [[q.numel() for q in g["params"]] for g in self.opt.param_groups]  # for AdamW's first-step peak
     return {"dense_params": dense, "expert_params": experts // self.ep, "PARAM": 4 * mine,
