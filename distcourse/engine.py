@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from .checkpoint import load_checkpoint, read_state
 from .ddp import full_grads, train_steps
 from .expert_mesh import ExpertMesh
+from .gpt import load_into_hf
 from .loop import loss_sum, make_optimizer, make_scheduler
 from .memory import peak_first_step, track_memory
 from .mesh import Mesh
@@ -104,10 +105,28 @@ def parallel(self: DataParallelEngine) -> dict:
 
 # %% ../nbs/07c_engine.ipynb #d5a38c7e
 Mesh.global_batches = True  # every rank draws the global micro-batch and takes its rows (05k's `rows`)
-Mesh.cfg = None  # ExpertMesh (05m) keeps no flags: 05ja refuses ZeRO with experts
 
 @patch
 def count_active(self: Mesh, meter): pass  # dense: ExpertMesh (05m) counts its active parameters
+
+@patch
+def hf_model(self: Mesh):
+    "The transformers model with the mesh's current weights (for evaluation and `save_pretrained`)."
+    return load_into_hf(self.hf, self.full_state()).to(self.device)  # where evaluation batches are
+
+@patch
+def parallel(self: Mesh) -> dict:
+    "The layout for run.json: the degrees, cp's attention, the pipeline schedule and its measured bubble (05k)."
+    return {**self.d, "cp_impl": self.cp_impl if self.d["cp"] > 1 else None, "pp_schedule": self.schedule,
+            "bubble": self.bubble()}
+
+@patch
+def peak_first(self: Mesh, steps, memory):  # steps: train_steps'; memory: prepare's, filled in
+    "`steps`, the first measured by lesson 05's `peak_first_step`; not under PyTorch's schedules (TORCH)."
+    if not isinstance(self.model, Chunks): return peak_first_step(steps, self.model, self.opt, memory)
+    memory["peak_first_step"] = ("not measured: PyTorch's schedules run backward in autograd.grad calls, "
+                                 "which the tracker's hooks refuse")
+    return steps
 
 @patch
 def prepare(self: Mesh, acc, train_dl, val_dl) -> tuple:

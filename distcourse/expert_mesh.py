@@ -26,7 +26,7 @@ from .loop import make_optimizer, make_scheduler
 from .memory import adamw_peak_bytes, peak_first_step
 from .mesh import Mesh
 from .recompute import checkpoint_blocks
-from .tensor_parallel import gather_full_state, is_split, tensor_parallel
+from .tensor_parallel import gather_full_state, tensor_parallel
 
 # %% ../nbs/05m_expert_trainer.ipynb #3585e1cd
 def expert_groups(world, tp=1, ep=1) -> dict:  # world 1: no process group, no groups
@@ -47,27 +47,27 @@ class ExpertMesh(Mesh):
                  cfg,               # a trainer Config: model (a MOE_PRESETS name), ep, seed, lr, weight_decay,
                                     # warmup_steps, max_steps; tp (1 if none), activation_checkpointing (False)
                  autocast=nullcontext, device=None):  # as `Mesh`'s
-        # Mesh's loader, rows, train_steps and activation_bytes read d, dp_rank, g, rng, seed, device, autocast
+        # Mesh's _begin: the fields its step, loader, rows, train_steps and activation_bytes read (not its
+        # __init__: that one converts a transformers GPT-2; this model is built here)
         self.world = world = dist.get_world_size() if dist.is_initialized() else 1  # 1: no process group
         tp = getattr(cfg, "tp", 1)
-        self.ep, self.name, self.seed, self.d = cfg.ep, cfg.model, cfg.seed, {"dp": world // tp, "tp": tp, "pp": 1,
-                                                                             "cp": 1}
-        self.g, self.autocast = expert_groups(world, tp, self.ep), autocast
+        self._begin(cfg, {"dp": world // tp, "tp": tp, "pp": 1, "cp": 1}, autocast, device or "cpu")
+        self.ep, self.name, self.g = cfg.ep, cfg.model, expert_groups(world, tp, cfg.ep)
         self.dp_rank = dist.get_rank(self.g["data"]) if world > 1 else 0
-        self.device = torch.device(device if device is not None else "cpu")
         with torch.random.fork_rng(devices=[]):  # the same whole model on every rank, and on one process
             torch.manual_seed(cfg.seed)
             model = build_moe(cfg.model, vocab_size)
         self.config = model.config
         if tp > 1: model = tensor_parallel(model, self.g["tp"], cfg.seed)  # attention's heads; experts whole per rank
         self.rng = getattr(model, "rng", None)  # tp: the split heads' dropout state
-        checkpoint_blocks(model, getattr(cfg, "activation_checkpointing", False))  # 05b: all-to-alls replayed too
+        checkpoint_blocks(model, self.ac)  # 05b: a block's all-to-alls replayed too
         self.ep_group, self.copies = self.g["ep"], self.g["copies"]
         if self.ep > 1: expert_parallel(model, self.ep_group)
         self.model = model.to(self.device)
+        self.experts = {id(p) for m in moe_layers(model) for p in m.experts.parameters()}  # this rank's experts
         self.opt = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg.warmup_steps, cfg.max_steps)
-        self.hf, self.seqs = MoELM(self), 1  # seqs: sequences of the step's global batch (set by `step`)
+        self.hf, self.seqs = MoELM(self), 1  # seqs: sequences of the step's global batch (set by `count`)
 
     def _forward(self, x, y):  # this rank's rows of one micro-batch: (b, T) ids and targets
         "Mesh's forward (Σ of its token losses), capacity and aux decided per sequence: the same groups on any world."
@@ -81,7 +81,7 @@ class ExpertMesh(Mesh):
             with self.autocast(): s = self._forward(x, y)
             aux = AUX_WEIGHT * aux_loss(self.model) * (x.size(0) / self.seqs)  # aux: the mean over x's sequences
             (s / n + aux).backward()
-            total += (s / n + aux).detach()
+            total += s.detach() + aux.detach() * n  # Mesh.step's loss: total / n
         return total
 
 # %% ../nbs/05m_expert_trainer.ipynb #5b4e9e0a
@@ -92,49 +92,34 @@ def _all_reduce_flat(grads, group):
     dist.all_reduce(flat, group=group)
     for g, new in zip(grads, flat.split([g.numel() for g in grads])): g.copy_(new.view_as(g))
 
-def _experts(model) -> set: return {id(p) for m in moe_layers(model) for p in m.experts.parameters()}
-
 @patch
-def sum_grads(self: ExpertMesh):
-    "Σ of each gradient over the ranks that hold a part of it: dense ones over dp, an expert's over its copies."
-    experts, grads = _experts(self.model), [p for p in self.model.parameters() if p.grad is not None]
-    if self.d["dp"] > 1:  # every dp rank its own rows (under tp: the dp ranks of this tp index)
-        _all_reduce_flat([p.grad for p in grads if id(p) not in experts], self.g["data"])
-    if self.copies is not None:  # the ep group's tokens are already in them (all-to-all's backward)
-        _all_reduce_flat([p.grad for p in grads if id(p) in experts], self.copies)
-
-@patch
-def grad_norm(self: ExpertMesh) -> torch.Tensor:
-    "‖g‖ one process would hold: tp's slices' squares summed over tp (05c), each expert's over its ep group (05j)."
-    experts, tp = _experts(self.model), self.d["tp"]
-    sq = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in ("split", "whole", "experts")}
-    for n, p in self.model.named_parameters():  # whole tensors (and experts, whole on every tp rank) once
-        if p.grad is None: continue
-        kind = "experts" if id(p) in experts else "split" if tp > 1 and is_split(self.model, n) else "whole"
-        sq[kind] += p.grad.double().pow(2).sum()
-    if tp > 1: dist.all_reduce(sq["split"], group=self.g["tp"])
-    if self.ep_group is not None: dist.all_reduce(sq["experts"], group=self.ep_group)
-    return sum(sq.values()).sqrt()
-
-@patch
-def step(self: ExpertMesh, micro, max_grad_norm=1.0, on_grads=None) -> dict:  # as Mesh.step's
-    "One optimizer step equal to one process on the global batch: loss with aux, Σ of gradients, clipping, AdamW."
+def count(self: ExpertMesh, micro) -> torch.Tensor:  # Mesh.step calls it first
+    "The tokens of the global batch; its sequences kept in `seqs` (aux's share): one all-reduce over the data axis."
     n = torch.tensor([sum(int((y != -100).sum()) for _, y in micro), sum(x.size(0) for x, _ in micro)],
                      device=self.device)
     if self.d["dp"] > 1: dist.all_reduce(n, group=self.g["data"])  # tokens and sequences of the global batch
     n, self.seqs = n[0], int(n[1])
-    total = self._loss_sums(micro, n)
-    self.sum_grads()
-    if self.d["dp"] > 1: dist.all_reduce(total, group=self.g["data"])  # the objective: every dp rank's share
-    if on_grads: on_grads(self)
-    norm = self.grad_norm().item()  # dense once, each expert once
-    scale = min(max_grad_norm / (norm + 1e-6), 1.0)  # torch's clip_grad_norm_
-    for p in self.model.parameters():
-        if p.grad is not None: p.grad.mul_(scale)
-    self.opt.step()
-    self.sched.step()
-    self.opt.zero_grad(set_to_none=True)
-    return {"loss": total.item(), "tokens": int(n), "grad_norm": norm}
+    return n
+
+@patch
+def sum_grads(self: ExpertMesh, grads, total):  # as Mesh's: this rank's gradients and loss sum, in place
+    "Σ of each gradient over the ranks that hold a part of it: dense ones over dp, an expert's over its copies."
+    experts, grads = self.experts, [p for p in self.model.parameters() if p.grad is not None]
+    if self.d["dp"] > 1:  # every dp rank its own rows (under tp: the dp ranks of this tp index)
+        _all_reduce_flat([p.grad for p in grads if id(p) not in experts], self.g["data"])
+        dist.all_reduce(total, group=self.g["data"])  # the objective: every dp rank's share
+    if self.copies is not None:  # the ep group's tokens are already in them (all-to-all's backward)
+        _all_reduce_flat([p.grad for p in grads if id(p) in experts], self.copies)
+
+@patch
+def split_over(self: ExpertMesh) -> dict:  # read by Mesh.grad_norm
+    "tp's slices over tp (05c), and each layer's experts over the ep group (05j): one rank holds 1/ep of them."
+    return {**Mesh.split_over(self), **({"experts": self.ep_group} if self.ep_group is not None else {})}
+
+@patch
+def norm_kind(self: ExpertMesh, name, p) -> str:  # an expert is whole on every tp rank of its ep rank: once
+    "'experts' for an expert's tensor, else Mesh's kind ('split' or 'whole')."
+    return "experts" if id(p) in self.experts and self.ep_group is not None else Mesh.norm_kind(self, name, p)
 
 # %% ../nbs/05m_expert_trainer.ipynb #e0739a4c
 @patch
@@ -179,8 +164,7 @@ def state_bytes(self: ExpertMesh) -> dict:
     experts = p["moe_layers"] * c["n_expert"] * p["expert"]  # every MoE layer's experts
     dense = p["total"] - experts
     if self.d["tp"] > 1:  # attention's tensors 1/tp (05c's slices), counted on this rank's piece
-        ids = _experts(self.model)
-        dense = sum(q.numel() for q in self.model.parameters() if id(q) not in ids)
+        dense = sum(q.numel() for q in self.model.parameters() if id(q) not in self.experts)
     mine = dense + experts // self.ep
     sizes = [[q.numel() for q in g["params"]] for g in self.opt.param_groups]  # for AdamW's first-step peak
     return {"dense_params": dense, "expert_params": experts // self.ep, "PARAM": 4 * mine,

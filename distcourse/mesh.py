@@ -19,11 +19,10 @@ from torch.utils.data import DataLoader
 
 from .context_parallel import seq_positions
 from .ddp import all_reduce_buckets, full, to_local
-from .gpt import CONV1D, load_into_hf, to_gpt
+from .gpt import CONV1D, to_gpt
 from .layout import CP_IMPLS, ParallelDims, build_mesh
 from .loaders import EpochSampler
 from .loop import make_optimizer, make_scheduler
-from .memory import peak_first_step
 from .pipeline import GPTStage, bubble_fraction, pipeline_step
 from .recompute import checkpoint_blocks, measure_saved_bytes, tp_seed
 from .ring_memory import lean_ring_attention
@@ -102,11 +101,10 @@ class Mesh:
                  device_mesh=None):  # torch's DeviceMesh of these degrees (05ja's build_mesh), None: built
                                      # here; a dry run builds it before entering its fake-tensor mode
         rank, world, tp, pp, cp = dist.get_rank(), dist.get_world_size(), cfg.tp, cfg.pp, cfg.cp
-        self.device = torch.device(device) if device is not None else next(hf.parameters()).device
-        self.d = d = {"dp": world // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
-        self.hf, self.schedule, self.autocast = hf, cfg.pp_schedule, autocast
-        self.cp_impl, self.scale = getattr(cfg, "cp_impl", "ring"), 1  # cp's attention (CP_IMPLS); step's local/n
-        self.cfg, self.fsdp = cfg, False  # fsdp: ZeRO-2/3's FSDP2 over the data axes applied (07c's apply_fsdp)
+        d = {"dp": world // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
+        self._begin(cfg, d, autocast, device if device is not None else next(hf.parameters()).device)
+        self.hf, self.schedule = hf, cfg.pp_schedule
+        self.cp_impl = getattr(cfg, "cp_impl", "ring")  # cp's attention (CP_IMPLS)
         self.layout = mesh_layout(world, tp, pp, cp)  # the formula: pipe_groups reads every pipeline's ranks
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"  # the mesh's device type: its backend's
         self.device_mesh = device_mesh or build_mesh(ParallelDims(world, tp=tp, cp=cp, pp=pp), kind)
@@ -114,10 +112,8 @@ class Mesh:
         flat = self.device_mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else None  # build_mesh's, kept by torch
         self.g["data"] = flat.get_group() if cp > 1 else self.g["dp"]  # Σ of gradients: over dp × cp
         if d["pp"] > 1: self.pipe = pipe_groups(self.layout, self.g)  # for the pipeline lesson's step
-        self.dp_rank = self.g["dp_ranks"].index(rank)
-        gpt, self.timeline, self.seed = to_gpt(hf), [], getattr(cfg, "seed", 0)
+        self.dp_rank, gpt = self.g["dp_ranks"].index(rank), to_gpt(hf)
         self.model = tensor_parallel(gpt, self.g["tp"], self.seed) if d["tp"] > 1 else gpt  # cp: _cp_run
-        self.ac = getattr(cfg, "activation_checkpointing", False)  # 05b's blocks, before any stage takes them
         checkpoint_blocks(self.model, self.ac)  # a tp block replays its heads' dropout state (05b)
         self.rng = getattr(self.model, "rng", None)  # tp: the split heads' dropout state, seeded per rank
         if d["pp"] > 1:  # its stage, or PyTorch's schedules' v = 2 chunks (05f)
@@ -134,6 +130,13 @@ class Mesh:
             self.model.lm_head.register_full_backward_pre_hook(lambda module, grad: (grad[0] * self.scale,))
         self.opt = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg.warmup_steps, cfg.max_steps)
+
+    def _begin(self, cfg, d, autocast, device):  # d: the degrees {dp, tp, pp, cp}
+        "The fields every layout's step reads (05m's ExpertMesh, which builds its own model, calls this too)."
+        self.cfg, self.d, self.autocast, self.device = cfg, d, autocast, torch.device(device)
+        self.seed = getattr(cfg, "seed", 0)  # tp's dropout state's
+        self.ac = getattr(cfg, "activation_checkpointing", False)  # 05b's blocks, before any stage takes them
+        self.fsdp, self.scale, self.timeline = False, 1, []  # fsdp: 07c's apply_fsdp; scale: step's local/n
 
     def rows(self, batch):  # a global micro-batch {input_ids, labels} of batch_size·dp examples
         "This rank's (inputs, targets) on the mesh's device: its dp slice; targets shifted left."
@@ -176,8 +179,7 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
          on_grads=None) -> dict:  # on_grads(self), on every rank, once the gradients are summed
                                   # and before clipping (e.g. to save `full_grads`)
     "One optimizer step, equal to one process on the global batch: loss, clipping, AdamW, schedule."
-    n = sum((y != -100).sum() for _, y in micro)
-    dist.all_reduce(n, group=self.g["dp"])  # tokens of the global batch (its sequences whole here)
+    n = self.count(micro)
     if self.d["pp"] > 1 and self.d["cp"] > 1: micro = [(self.chunk(x), self.chunk(y)) for x, y in micro]  # cp's
     if isinstance(self.model, Chunks):  # PyTorch's schedule: every loss share already of the global batch
         with self.autocast(): total = self.model.step(micro, n, self.pipe)
@@ -189,8 +191,7 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
         total = loss * local
     else: total = self._loss_sums(micro, n)
     grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-    summed = [] if self.fsdp else grads  # FSDP2 reduce-scattered its gradients (their sum) in backward
-    all_reduce_buckets([*summed, total], self.g["data"])  # Σ over replicas and the sequence's chunks, in buckets (03)
+    self.sum_grads(grads, total)
     if on_grads: on_grads(self)
     norm = self.grad_norm()
     scale = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_
@@ -200,21 +201,43 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
     self.opt.zero_grad(set_to_none=True)
     return {"loss": (total / n).item(), "tokens": int(n), "grad_norm": norm.item()}
 
+@patch
+def count(self: Mesh, micro) -> torch.Tensor:  # micro: this rank's [(x, y)] of one optimizer step
+    "The tokens of the global batch: one all-reduce over dp (the sequences are whole here; cp cuts them later)."
+    n = sum((y != -100).sum() for _, y in micro)
+    dist.all_reduce(n, group=self.g["dp"])
+    return n
+
+@patch
+def sum_grads(self: Mesh, grads, total):  # grads: this rank's gradients; total: its loss sum; both in place
+    "Σ of the gradients and the loss over the replicas and the sequence's chunks (dp x cp), in 03's buckets."
+    summed = [] if self.fsdp else grads  # FSDP2 reduce-scattered its gradients (their sum) in backward
+    all_reduce_buckets([*summed, total], self.g["data"])
+
 # %% ../nbs/05k_mesh.ipynb #c71f732e
 @patch
 def grad_norm(self: Mesh) -> torch.Tensor:
     "The norm of the gradient one process would hold, from this rank's (already summed) gradients."
-    tp, pp = self.d["tp"], self.d["pp"]
-    split, whole = (torch.zeros((), device=self.device) for _ in "sw")  # 05c's tp_grad_norm: split squares Σ over tp
+    pp, over = self.d["pp"], self.split_over()  # each kind of tensor cut over ranks: the group holding its pieces
+    sq = {k: torch.zeros((), dtype=torch.float64, device=self.device) for k in ("whole", *over)}
     for n, p in self.model.named_parameters():
         if p.grad is None or (pp > 1 and n.endswith("lm_head.weight")): continue  # the tied copy: counted as wte
-        if tp > 1 and is_split(self.model, n): split += to_local(p.grad).pow(2).sum()
-        else: whole += to_local(p.grad).pow(2).sum()  # whole on every tp rank (under cp: already Σ over cp): once
-    if tp > 1: dist.all_reduce(split, group=self.g["tp"])
-    sq = split + whole
+        sq[self.norm_kind(n, p)] += to_local(p.grad).double().pow(2).sum()  # whole on every tp rank: once
+    for kind, group in over.items(): dist.all_reduce(sq[kind], group=group)  # 05c's tp_grad_norm: split Σ over tp
+    sq = sum(sq.values())
     if self.fsdp: dist.all_reduce(sq, group=self.g["data"])  # FSDP2: each rank squared its shards only
     if pp > 1: dist.all_reduce(sq, group=self.pipe.pipe)  # every stage's share
     return sq.sqrt()
+
+@patch
+def split_over(self: Mesh) -> dict:
+    "Each kind of tensor whose pieces lie on several ranks, and the group that holds them: tp's slices (05c)."
+    return {"split": self.g["tp"]} if self.d["tp"] > 1 else {}
+
+@patch
+def norm_kind(self: Mesh, name, p) -> str:  # name: the parameter's in self.model
+    "'split' for a tp slice, else 'whole' (on every tp rank; under cp already summed over cp): a key of grad_norm's."
+    return "split" if self.d["tp"] > 1 and is_split(self.model, name) else "whole"
 
 @patch
 def full_state(self: Mesh, grads=False) -> dict:  # grads=True: the gradients instead of the weights
@@ -239,17 +262,6 @@ def full_grads(self: Mesh) -> dict:
     return {k: (g.t() if k.endswith(CONV1D) else g).float().cpu() for k, g in state.items()}
 
 # %% ../nbs/05k_mesh.ipynb #d4e8a1b7
-@patch
-def hf_model(self: Mesh):
-    "The transformers model with the mesh's current weights (for evaluation and `save_pretrained`)."
-    return load_into_hf(self.hf, self.full_state()).to(self.device)  # where evaluation batches are
-
-@patch
-def parallel(self: Mesh) -> dict:
-    "The layout for run.json: the degrees, cp's attention, the pipeline schedule and its measured bubble."
-    return {**self.d, "cp_impl": self.cp_impl if self.d["cp"] > 1 else None, "pp_schedule": self.schedule,
-            "bubble": self.bubble()}
-
 @patch
 def bubble(self: Mesh) -> float:
     "The measured bubble fraction of the last pipeline step (all stages' timelines); None without --pp or with TORCH's."
@@ -286,10 +298,3 @@ def activation_bytes(self: Mesh, batch) -> int:  # one global micro-batch {input
     with torch.random.fork_rng(devices=[]), self.autocast():  # dropout's draws: training's RNG left as it was
         return measure_saved_bytes(lambda: self._forward(x, y), skip=[*self.model.parameters(), *self.model.buffers()])
 
-@patch
-def peak_first(self: Mesh, steps, memory):  # steps: train_steps'; memory: the run's dict, filled in
-    "`steps`, the first measured by lesson 05's `peak_first_step`; not under PyTorch's schedules (TORCH)."
-    if not isinstance(self.model, Chunks): return peak_first_step(steps, self.model, self.opt, memory)
-    memory["peak_first_step"] = ("not measured: PyTorch's schedules run backward in autograd.grad calls, "
-                                 "which the tracker's hooks refuse")
-    return steps
