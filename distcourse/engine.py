@@ -172,9 +172,8 @@ def apply_fsdp(mesh):  # a Mesh (05k), before its first step
     data = mesh.device_mesh["dp", "cp"]._flatten("dp_cp") if mesh.d["cp"] > 1 else mesh.device_mesh["dp"]
     kw = dict(mesh=data, reshard_after_forward=cfg.zero_stage == 3)  # 3: weights freed between forward and backward
     for piece in mesh.model if isinstance(mesh.model, Chunks) else [mesh.model]:  # the GPT, a stage, or chunks
-        if mesh.d["cp"] == 1:  # under cp, 05k's _cp_run calls each block's parts, not the block: one unit for all
-            for block in piece.transformer.h.children(): fully_shard(block, **kw)  # a ModuleList or a stage's dict
-        fully_shard(piece, **kw)  # embeddings, final norm, head: the piece's root unit (under cp, everything)
+        for block in piece.transformer.h.children(): fully_shard(block, **kw)  # a ModuleList or a stage's dict
+        fully_shard(piece, **kw)  # embeddings, final norm, head: the piece's root unit
     for unit in mesh.model.modules():
         if isinstance(unit, FSDPModule):  # reduce-scatter the sum, as the mesh's step sums
             unit.set_gradient_divide_factor(1.0)
