@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['COLLECTIVES', 'TIMED', 'tensor_bytes', 'count_collectives', 'ring_bytes_sent', 'bus_factor', 'cap_to_gpus',
-           'comm_worker', 'measure_collectives', 'predicted_all_reduce_s']
+           'comm_worker', 'measure_collectives', 'predicted_all_reduce_s', 'nccl_replay', 'p2p_rounds', 'p2p_program',
+           'chain_msgs', 'post_group', 'Posted', 'take']
 
 # %% ../nbs/03a_collectives.ipynb #d12c2b20
 import json
@@ -143,3 +144,133 @@ def predicted_all_reduce_s(rows,    # measured rows, as `measure_collectives` gi
     f = math.log(nbytes / b0) / math.log(b1 / b0)
     return math.exp(math.log(s0) + f * (math.log(s1) - math.log(s0)))
 
+
+# %% ../nbs/03a_collectives.ipynb #2ee87bd7
+def nccl_replay(programs,      # {rank: [("post", gid, [(op, peer, label), ...]) or ("wait", gid)]}; op: send/recv
+                eager=False):  # True: a send finishes once its group runs (a small message, buffered)
+    """Play every rank's point-to-point calls by NCCL's rules: tags ignored (the n-th send from a to b meets the n-th
+    receive at b from a, whatever each expects), one stream per rank (a group runs once every group posted before it
+    has finished), a send finishes with its receive, both groups running. {"mismatches": [...], "stuck": [...]}."""
+    pc, stream, left, chan, finished = dict.fromkeys(programs, 0), {r: [] for r in programs}, {}, {}, set()
+    mismatches = []
+
+    def post(r, gid, ops):
+        stream[r].append(gid)
+        left[(r, gid)] = len(ops)
+        for kind, peer, label in ops:  # a channel is (sender, receiver): its sends and its receives, as posted
+            side = chan.setdefault((r, peer) if kind == "send" else (peer, r), {"send": [], "recv": []})[kind]
+            side.append(dict(rank=r, gid=gid, label=label, done=False))
+
+    def running(op): return not op["done"] and stream[op["rank"]][:1] == [op["gid"]]
+
+    def finish(*ops):
+        for op in ops: op["done"], left[(op["rank"], op["gid"])] = True, left[(op["rank"], op["gid"])] - 1
+
+    moved = True
+    while moved:
+        moved = False
+        for r, prog in programs.items():  # each rank's CPU runs until it waits on a group not finished
+            while pc[r] < len(prog) and (prog[pc[r]][0] == "post" or (r, prog[pc[r]][1]) in finished):
+                if prog[pc[r]][0] == "post": post(r, *prog[pc[r]][1:])
+                pc[r], moved = pc[r] + 1, True
+        for key, c in chan.items():
+            for s in c["send"]:
+                if eager and running(s): finish(s); moved = True  # buffered: no receive needed yet
+            for s, rv in zip(c["send"], c["recv"]):  # tags ignored: the n-th send meets the n-th receive
+                if "seen" not in rv and s["label"] != rv["label"]:
+                    mismatches.append(dict(channel=key, sent=s["label"], expected=rv["label"]))
+                rv["seen"] = True
+                if running(rv) and (s["done"] if eager else running(s)):
+                    finish(rv, *[s] * (not eager))
+                    moved = True
+        for r in programs:  # a finished group leaves its stream, and the next one runs
+            while stream[r] and left[(r, stream[r][0])] == 0:
+                finished.add((r, stream[r].pop(0)))
+                moved = True
+    stuck = [dict(rank=r, at=programs[r][pc[r]] if pc[r] < len(programs[r]) else "end", running=stream[r][:1])
+             for r in programs if pc[r] < len(programs[r]) or stream[r]]
+    return {"mismatches": mismatches, "stuck": stuck}
+
+
+def p2p_rounds(acts,   # {rank: [action, ...]}: each rank's work, in its order
+               msgs):  # msgs(rank, action) -> (need, make): (peer, label) of what it waits for, of what it sends
+    """Each rank's work and messages in rounds, paired as NCCL requires: a rank runs its next action in a round once
+    its input has come; after the round, each rank posts one group: what it sent and what was sent to it, in label
+    order on both sides. {rank: [("act", action) or ("post", [(op, peer, label), ...])]}."""
+    plan, nxt, have = {r: [] for r in acts}, dict.fromkeys(acts, 0), set()  # have: (src, dst, label) delivered
+    while any(nxt[r] < len(acts[r]) for r in acts):
+        sent, ran = [], False
+        for r in acts:
+            if nxt[r] == len(acts[r]): continue
+            need, make = msgs(r, acts[r][nxt[r]])
+            if need and (need[0], r, need[1]) not in have: continue  # waits for a message of a later round
+            plan[r].append(("act", acts[r][nxt[r]]))
+            nxt[r], ran = nxt[r] + 1, True
+            if make: sent.append((r, *make))
+        if not ran: raise RuntimeError(f"no rank can run its next action ({nxt}): a schedule waiting on itself")
+        groups = {r: [] for r in acts}
+        for src, dst, label in sent:
+            groups[src].append(("send", dst, label))
+            groups[dst].append(("recv", src, label))
+        have |= {(src, dst, label) for src, dst, label in sent}
+        for r, ops in groups.items():
+            if ops: plan[r].append(("post", sorted(ops)))  # (op, peer, label): a channel's messages in label order
+    return plan
+
+
+def p2p_program(plan, msgs, rank):  # plan: p2p_rounds' for every rank; msgs: as p2p_rounds takes it
+    "The calls `rank` makes running `plan`, for `nccl_replay`: post each group, wait for one when an action needs it."
+    prog, where = [], {}  # where: (peer, label) -> the group receiving it
+    for gid, (kind, x) in enumerate(plan[rank]):
+        if kind == "post":
+            prog.append(("post", gid, x))
+            where |= {(peer, label): gid for op, peer, label in x if op == "recv"}
+        elif msgs(rank, x)[0]: prog.append(("wait", where[msgs(rank, x)[0]]))
+    return prog + [("wait", gid) for gid, (kind, _) in enumerate(plan[rank]) if kind == "post"]
+
+
+def chain_msgs(n,      # stages of the chain, stage v on rank v mod pp
+               pp,     # ranks
+               work):  # work(rank, action) -> (stage, micro-batch, kind): where and what an action is
+    """`msgs` for `p2p_rounds` along a chain: a forward ('F') waits for its input from the stage before and sends its
+    output on; a backward ('B') waits for its output's gradient and sends its input's back; a 'W' neither."""
+    def msgs(rank, action):  # labels: ("F", v, i) micro-batch i's input to stage v; ("B", v, i) its output's gradient
+        v, i, kind = work(rank, action)
+        back = ((v - 1) % pp, (kind, v - 1, i)) if v else None  # to (or from) the stage before
+        ahead = ((v + 1) % pp, (kind, v + 1, i)) if v < n - 1 else None
+        if kind == "F": return back and ((v - 1) % pp, ("F", v, i)), ahead
+        if kind == "B": return ahead and ((v + 1) % pp, ("B", v, i)), back
+        return None, None
+    return msgs
+
+
+def post_group(ops,      # one ("post", ops) of p2p_rounds' plan: [(op, peer, label)]
+               box,      # label -> tensor: what this rank made to send; what it receives lands here
+               arrives,  # label -> the works that bring it, filled in here
+               ranks,    # the global rank of each peer
+               group,    # their process group
+               empty):   # empty(label) -> a new tensor to receive `label` into, on the rank's device
+    "Post one group with `batch_isend_irecv` (NCCL runs it as one); the group, to wait for once (`Posted`)."
+    p2p = []
+    for op, peer, label in ops:
+        if op == "recv": box[label] = empty(label)
+        p2p.append(dist.P2POp(dist.isend if op == "send" else dist.irecv,
+                              box.pop(label) if op == "send" else box[label], ranks[peer], group))
+    posted = Posted(dist.batch_isend_irecv(p2p))
+    arrives |= {label: posted for op, _, label in ops if op == "recv"}
+    return posted
+
+
+class Posted:
+    "A posted group's works, waited for once: gloo's receive, waited for a second time, waits for another message."
+    def __init__(self, works): self.works, self.done = works, False
+
+    def wait(self):
+        for work in self.works if not self.done else []: work.wait()
+        self.done = True
+
+
+def take(label, box, arrives):  # box, arrives: as post_group fills them
+    "The tensor received as `label`, once the group that brings it has finished."
+    arrives.pop(label).wait()
+    return box.pop(label)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
+from .comm import chain_msgs, p2p_rounds, post_group, take
 from .gpt import GPT, GPTConfig
 
 # %% ../nbs/05e_pipeline.ipynb #a77e6ad6
@@ -165,12 +166,6 @@ def sync_tied(stage, groups):
     dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=groups.embed)  # both whole now
 
 # %% ../nbs/05e_pipeline.ipynb #0f39d173
-def _recv(shape, src, groups, device, grad=False):  # device: the stage's; grad: True for an input
-    "A tensor of `shape` from global rank `src` of this pipeline; blocks until it has arrived."
-    t = torch.empty(shape, device=device)
-    dist.recv(t, src, group=groups.pipe)
-    return t.requires_grad_(grad)
-
 @contextmanager
 def _timed(timeline, held, **event):
     "Append `event` to `timeline` with the body's start and end (perf_counter) and how many are `held` after."
@@ -183,28 +178,33 @@ def pipeline_step(stage,         # this rank's GPTStage
                   micro_batches, # [(x_i, y_i)], the same on every rank (the first uses x, the last y)
                   schedule, groups): # "gpipe" or "1f1b"; pp_groups(pp)
     "Every micro-batch's forward and backward in `schedule` order; (the batch's loss, this stage's timeline)."
-    s, ranks, device = stage.stage, groups.ranks, next(stage.parameters()).device  # buffers: there
-    check_pp(stage.config.n_layer, stage.pp, len(micro_batches), schedule)
+    s, pp, m, ranks = stage.stage, stage.pp, len(micro_batches), groups.ranks
+    check_pp(stage.config.n_layer, pp, m, schedule)
+    msgs = chain_msgs(pp, pp, lambda rank, action: (rank, action[1], action[0]))  # stage = rank in the pipeline
+    plan = p2p_rounds({r: schedule_actions(schedule, r, pp, m) for r in range(pp)}, msgs)[s]  # 03a: NCCL's pairs
+    device = next(stage.parameters()).device  # buffers: there
+    def empty(label): return torch.empty(*micro_batches[label[2]][0].shape, stage.config.n_embd, device=device)
     n_tokens = sum((y != -100).sum() for _, y in micro_batches)
-    inputs, outputs, sends, timeline, loss = {}, {}, [], [], torch.zeros((), device=device)
-    for kind, i in schedule_actions(schedule, s, stage.pp, len(micro_batches)):
-        x, y = micro_batches[i]
+    inputs, outputs, box, arrives, posted, timeline, loss = {}, {}, {}, {}, [], [], torch.zeros((), device=device)
+    for step, what in plan:
+        if step == "post":  # a round's messages: sends and receives posted as one group
+            posted.append(post_group(what, box, arrives, ranks, groups.pipe, empty))
+            continue
+        (kind, i), (need, make), (x, y) = what, msgs(s, what), micro_batches[what[1]]
+        if need: x = take(need[1], box, arrives).requires_grad_(kind == "F")  # F: (b, T, C); B: its output's grad
         if kind == "F":
-            if not stage.is_first:  # (b, T, C) from the stage before; its gradient is what goes back
-                x = _recv((*x.shape, stage.config.n_embd), ranks[s - 1], groups, device, grad=True)
             with _timed(timeline, outputs, stage=s, kind=kind, mb=i):
                 out = stage(x)  # (b, T, C); on the last stage logits, then its share of the batch's loss
                 if stage.is_last: out = token_loss(out, y, n_tokens)
                 inputs[i], outputs[i] = x, out  # held until the backward: the activations in flight
             if stage.is_last: loss += out.detach()
-            else: sends.append(dist.isend(out.detach(), ranks[s + 1], group=groups.pipe))
+            else: box[make[1]] = out.detach()
         else:
-            grad = None if stage.is_last else _recv(outputs[i].shape, ranks[s + 1], groups, device)
             with _timed(timeline, outputs, stage=s, kind=kind, mb=i):
-                torch.autograd.backward(outputs.pop(i), grad)  # frees this micro-batch's graph
+                torch.autograd.backward(outputs.pop(i), x if need else None)  # frees this micro-batch's graph
             x = inputs.pop(i)  # its gradient goes back to the stage before
-            if not stage.is_first: sends.append(dist.isend(x.grad, ranks[s - 1], group=groups.pipe))
-    for work in sends: work.wait()
+            if make: box[make[1]] = x.grad
+    for group in posted: group.wait()  # each once (Posted)
     sync_tied(stage, groups)
     dist.broadcast(loss, ranks[-1], group=groups.pipe)  # every stage reports the batch's loss
     return loss, timeline

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import (PipelineStage, ScheduleDualPipeV, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
+from .comm import chain_msgs, p2p_rounds, post_group, take
 from .gpt import GPTConfig
 from .pipeline import (GPTStage, _gather, _report, _setup, bubble_fraction, pp_groups,
                                  schedule_actions, split_micro_batches, sync_tied, token_loss)
@@ -108,60 +109,47 @@ def in_flight(acts, split) -> int:
         peak = max(peak, held)
     return peak
 
-# %% ../nbs/05f_schedules.ipynb #07bb4a90
-def _tag(vs, i, kind, m) -> int:  # one tag per message: a rank receives them in its own order
-    return (2 * vs + (kind == "B")) * m + i
-
-def _recv(shape, src, tag, group, device):
-    "A tensor of `shape` from global rank `src`, the message tagged `tag`; blocks until it arrives."
-    t = torch.empty(shape, device=device)
-    dist.recv(t, src, group=group, tag=tag)
-    return t
-
 # %% ../nbs/05f_schedules.ipynb #c599d0f5
 def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage c·pp + rank
                  micro_batches, # [(x_i, y_i)], the same on every rank
                  schedule, groups): # one of HAND; pp_groups(pp)
-    "Replay `schedule` with send/recv; (the batch's loss, this rank's timeline)."
+    "Replay `schedule` with messages paired in rounds (03a); (the batch's loss, this rank's timeline)."
     ranks, pp, m = groups.ranks, len(groups.ranks), len(micro_batches)
     r, device, split = groups.stage, next(chunks[0].parameters()).device, schedule == "zb-h1"
+    msgs = chain_msgs(pp * len(chunks), pp, lambda rank, a: (a[0] * pp + rank, a[1], a[2]))  # (virtual stage, i, kind)
+    plan = p2p_rounds({q: actions(schedule, q, pp, m, len(chunks)) for q in range(pp)}, msgs)[r]
+    def empty(label): return torch.empty(*micro_batches[label[2]][0].shape, chunks[0].config.n_embd, device=device)
     n_tokens = sum((y != -100).sum() for _, y in micro_batches)
-    inputs, outputs, waiting_w, sends, timeline = {}, {}, {}, [], []
+    inputs, outputs, waiting_w, box, arrives, posted, timeline = {}, {}, {}, {}, {}, [], []
     loss = torch.zeros((), device=device)
-    for c, i, kind in actions(schedule, r, pp, m, len(chunks)):
+    for step, what in plan:
+        if step == "post":  # a round's messages, posted as one group (no tags: NCCL ignores them)
+            posted.append(post_group(what, box, arrives, ranks, groups.pipe, empty))
+            continue
+        (c, i, kind), (need, make) = what, msgs(r, what)
         st, (x, y) = chunks[c], micro_batches[i]
-        vs = st.stage  # this chunk's virtual stage
-        if kind == "F" and not st.is_first:  # (b, T, C) from the virtual stage before
-            x = _recv((*x.shape, st.config.n_embd), ranks[(vs - 1) % pp], _tag(vs, i, "F", m),
-                      groups.pipe, device).requires_grad_()
-        if kind == "B" and not st.is_last:  # the gradient of this chunk's output, from the next
-            grad = _recv(outputs[(c, i)].shape, ranks[(vs + 1) % pp], _tag(vs, i, "B", m),
-                         groups.pipe, device)
+        if need:  # F: (b, T, C) from the virtual stage before; B: the gradient of this chunk's output
+            x = take(need[1], box, arrives).requires_grad_(kind == "F")
         start = time.perf_counter()
         if kind == "F":
             out = st(x)  # (b, T, C); the last virtual stage: logits (b, T, V), then its loss share
             if st.is_last: out = token_loss(out, y, n_tokens)
             inputs[(c, i)], outputs[(c, i)] = x, out  # held until released: activations in flight
         elif kind == "B" and split:  # input gradient only; the graph stays for W
-            out, grad = outputs[(c, i)], None if st.is_last else grad
+            out, grad = outputs[(c, i)], x if need else None
             waiting_w[(c, i)] = (out, grad)
-            if not st.is_first:
-                dx = torch.autograd.grad(out, inputs[(c, i)], grad, retain_graph=True)[0]
+            if make: dx = torch.autograd.grad(out, inputs[(c, i)], grad, retain_graph=True)[0]
         elif kind == "B":  # the whole backward: input and weight gradients, frees the graph
-            torch.autograd.backward(outputs[(c, i)], None if st.is_last else grad)
-            dx = None if st.is_first else inputs[(c, i)].grad
+            torch.autograd.backward(outputs[(c, i)], x if need else None)
+            dx = inputs[(c, i)].grad if make else None
         else:  # W: the weight gradients that B left out
             torch.autograd.backward(*waiting_w.pop((c, i)), inputs=list(st.parameters()))
         if kind == ("W" if split else "B"): inputs.pop((c, i)), outputs.pop((c, i))
         timeline.append(dict(stage=r, chunk=c, kind=kind, mb=i, start=start,
                              end=time.perf_counter(), in_flight=len(outputs)))
         if kind == "F" and st.is_last: loss += out.detach()
-        elif kind == "F": sends.append(dist.isend(out.detach(), ranks[(vs + 1) % pp],
-                                                  group=groups.pipe, tag=_tag(vs + 1, i, "F", m)))
-        elif kind == "B" and not st.is_first:
-            sends.append(dist.isend(dx, ranks[(vs - 1) % pp], group=groups.pipe,
-                                    tag=_tag(vs - 1, i, "B", m)))
-    for work in sends: work.wait()
+        elif make: box[make[1]] = out.detach() if kind == "F" else dx
+    for group in posted: group.wait()  # each once (Posted)
     sync_tied_chunks(chunks, groups)
     dist.all_reduce(loss, group=groups.pipe)  # only the last virtual stage's rank added its losses
     return loss, timeline

@@ -238,7 +238,7 @@ def test_mesh_step_keeps_everything_on_the_device(hf, seen, layout):
         written = [*saved["model"].values(), *tensors(saved["optimizer"]["state"])]  # one process's names
         assert {t.device.type for t in written} == {GPU}, (layout, rank)  # the checkpoint's
     want = {"all_reduce"}  # dp's gradient sums, and the loss and token counts
-    if pp > 1: want |= {"isend", "recv", "broadcast"}  # activations, their gradients, the loss
+    if pp > 1: want |= {"batch_isend_irecv", "broadcast"}  # activations and their gradients (03a's groups), the loss
     if cp > 1: want |= {"batch_isend_irecv"}  # the ring's K/V
     assert want <= seen, f"{layout}: the checked collectives saw {seen}, not {want}"
 
@@ -266,10 +266,10 @@ def test_a_cpu_accumulator_fails_the_dry_run(hf, seen, monkeypatch):
 @inner
 def test_a_cpu_buffer_in_a_collective_fails_the_dry_run(hf, seen, monkeypatch):
     "The pipeline's receive buffer on the CPU (as was): the fake backend takes it, the check not."
-    fixed = "torch.empty(shape, device=device)"
-    bad = _planted(pipeline, pipeline._recv, fixed, "torch.empty(shape)")
-    monkeypatch.setattr(pipeline, "_recv", bad)
-    with pytest.raises(DeviceError, match=r"dist.recv was handed a \(2, 16, 96\) tensor on cpu"):
+    fixed = "stage.config.n_embd, device=device)"
+    bad = _planted(pipeline, pipeline.pipeline_step, fixed, "stage.config.n_embd)")
+    monkeypatch.setattr(mesh_module, "pipeline_step", bad)  # the mesh's step calls it by that name
+    with pytest.raises(DeviceError, match=r"dist.batch_isend_irecv was handed a \(2, 16, 96\) tensor on cpu"):
         dry_step(hf, "dp2_tp2_pp2", 2)  # stage 1: it receives stage 0's activations first
 
 

@@ -1,0 +1,108 @@
+"""Point-to-point by NCCL's rules, checked without NCCL (lesson 03a's `nccl_replay`): the pipelines' first order
+(each message sent on its own when made, received when needed) is stuck, gloo's buffering hides it, and every
+hand-written schedule planned in rounds (`p2p_rounds`, what 05e's `pipeline_step` and 05f's `run_schedule` run)
+passes at p 2 and 4; faults in a plan are caught; no point-to-point call in the package passes a tag."""
+import re
+
+import pytest
+
+from conftest import ROOT
+from distcourse.comm import chain_msgs, nccl_replay, p2p_program, p2p_rounds
+from distcourse.schedules import HAND, actions, chunks_per_rank
+
+pytestmark = pytest.mark.fast  # pure Python: the calls are played, not run
+OK = {"mismatches": [], "stuck": []}
+CASES = [(name, p, m) for name in HAND for p in (2, 4) for m in (4, 8, 12)]
+
+
+def work(name, pp, m) -> tuple:
+    "Every rank's actions under hand schedule `name` and its messages (chunk c of rank r: virtual stage c·pp + r)."
+    acts = {r: actions(name, r, pp, m) for r in range(pp)}
+    return acts, chain_msgs(pp * chunks_per_rank(name), pp, lambda r, a: (a[0] * pp + r, a[1], a[2]))
+
+
+def each_on_its_own(acts, msgs) -> dict:
+    "The first order: a blocking receive when an action needs it, an isend as soon as it makes one, waited at the end."
+    programs = {}
+    for r, todo in acts.items():
+        prog, sends = [], []
+        for n, action in enumerate(todo):
+            need, make = msgs(r, action)
+            if need: prog += [("post", ("recv", n), [("recv", *need)]), ("wait", ("recv", n))]
+            if make:
+                sends.append(("send", n))
+                prog.append(("post", sends[-1], [("send", *make)]))
+        programs[r] = prog + [("wait", g) for g in sends]
+    return programs
+
+
+def in_rounds(acts, msgs, plan=None) -> dict:
+    plan = plan or p2p_rounds(acts, msgs)
+    return {r: p2p_program(plan, msgs, r) for r in acts}
+
+
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_every_schedule_in_rounds_keeps_nccls_rules(name, p, m):
+    acts, msgs = work(name, p, m)
+    plan = p2p_rounds(acts, msgs)
+    assert nccl_replay(in_rounds(acts, msgs, plan)) == OK
+    assert nccl_replay(in_rounds(acts, msgs, plan), eager=True) == OK
+    for r in acts:  # each rank runs its own work in its own order, and every message is posted once on each side
+        assert [a for kind, a in plan[r] if kind == "act"] == acts[r]
+    ops = [op for r in plan for kind, group in plan[r] if kind == "post" for op in group]
+    sends, recvs = sum(op[0] == "send" for op in ops), sum(op[0] == "recv" for op in ops)
+    made = sum(msgs(r, a)[1] is not None for r in acts for a in acts[r])
+    assert sends == recvs == made
+
+
+@pytest.mark.parametrize("name,p,m", CASES)
+def test_the_first_order_is_stuck_where_work_crosses(name, p, m):
+    "Sent each on its own, the messages of every schedule but GPipe are stuck; buffered (gloo), all pass."
+    acts, msgs = work(name, p, m)
+    strict = nccl_replay(each_on_its_own(acts, msgs))
+    assert bool(strict["stuck"]) == (name != "gpipe"), strict
+    assert nccl_replay(each_on_its_own(acts, msgs), eager=True) == OK
+
+
+def test_two_ranks_that_both_send_first_are_stuck_and_one_group_passes():
+    first = {r: [("post", 0, [("send", 1 - r, r)]), ("post", 1, [("recv", 1 - r, 1 - r)]), ("wait", 1)] for r in (0, 1)}
+    grouped = {r: [("post", 0, [("send", 1 - r, r), ("recv", 1 - r, 1 - r)]), ("wait", 0)] for r in (0, 1)}
+    assert [s["rank"] for s in nccl_replay(first)["stuck"]] == [0, 1]
+    assert nccl_replay(first, eager=True) == nccl_replay(grouped) == OK
+
+
+def test_tags_are_ignored():
+    "Rank 1 receives in another order than rank 0 sends: NCCL pairs them by order, so each lands in the wrong buffer."
+    prog = {0: [("post", 0, [("send", 1, "a")]), ("post", 1, [("send", 1, "g")]), ("wait", 0), ("wait", 1)],
+            1: [("post", 0, [("recv", 0, "g")]), ("post", 1, [("recv", 0, "a")]), ("wait", 0), ("wait", 1)]}
+    got = nccl_replay(prog, eager=True)
+    assert got["stuck"] == [] and [(x["sent"], x["expected"]) for x in got["mismatches"]] == [("a", "g"), ("g", "a")]
+
+
+def test_faults_in_a_plan_are_caught():
+    "A sender that posts two rounds' messages in the other order, or a round's sends before its receives, fails."
+    acts, msgs = work("1f1b", 2, 8)
+    plan = p2p_rounds(acts, msgs)
+    swapped = {r: list(steps) for r, steps in plan.items()}
+    i, j = [n for n, (kind, x) in enumerate(swapped[0]) if kind == "post" and x[0][0] == "send"][:2]  # rank 0's
+    swapped[0][i], swapped[0][j] = ("post", swapped[0][j][1]), ("post", swapped[0][i][1])
+    assert nccl_replay(in_rounds(acts, msgs, swapped), eager=True)["mismatches"]  # tags or not: the wrong buffers
+    def sends_first(group):
+        return [("post", [op for op in group if op[0] == k]) for k in ("send", "recv")
+                if any(op[0] == k for op in group)]
+    split = {r: [s for kind, x in steps for s in (sends_first(x) if kind == "post" else [(kind, x)])]
+             for r, steps in plan.items()}
+    assert nccl_replay(in_rounds(acts, msgs, split))["stuck"]  # 1F1B's crossing messages, as in 05e
+
+
+def test_a_schedule_that_waits_on_itself_is_refused():
+    acts = {0: [("need", 1)], 1: [("need", 0)]}  # each rank's first action waits for the other's message
+    def msgs(r, action): return (1 - r, f"to {r}"), (1 - r, f"to {1 - r}")
+    with pytest.raises(RuntimeError, match="waiting on itself"): p2p_rounds(acts, msgs)
+
+
+def test_no_point_to_point_call_passes_a_tag():
+    calls = re.compile(r"\b(isend|irecv|send|recv|P2POp)\(")
+    for path in sorted((ROOT / "distcourse").glob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            assert not (calls.search(line) and "tag=" in line), f"{path.name}:{n} passes a tag: {line.strip()}"
