@@ -51,7 +51,7 @@ class ExpertMesh(Mesh):
         # __init__: that one converts a transformers GPT-2; this model is built here)
         self.world = world = dist.get_world_size() if dist.is_initialized() else 1  # 1: no process group
         tp = getattr(cfg, "tp", 1)
-        self._begin(cfg, {"dp": world // tp, "tp": tp, "pp": 1, "cp": 1}, autocast, device or "cpu")
+        self._begin(cfg, {"dp": world // tp, "tp": tp, "pp": 1, "cp": 1}, autocast, "cpu" if device is None else device)
         self.ep, self.name, self.g = cfg.ep, cfg.model, expert_groups(world, tp, cfg.ep)
         self.dp_rank = dist.get_rank(self.g["data"]) if world > 1 else 0
         with torch.random.fork_rng(devices=[]):  # the same whole model on every rank, and on one process
@@ -104,7 +104,7 @@ def count(self: ExpertMesh, micro) -> torch.Tensor:  # Mesh.step calls it first
 @patch
 def sum_grads(self: ExpertMesh, grads, total):  # as Mesh's: this rank's gradients and loss sum, in place
     "Σ of each gradient over the ranks that hold a part of it: dense ones over dp, an expert's over its copies."
-    experts, grads = self.experts, [p for p in self.model.parameters() if p.grad is not None]
+    experts, grads = self.experts, [p for p in self.model.parameters() if p.grad is not None]  # by parameter
     if self.d["dp"] > 1:  # every dp rank its own rows (under tp: the dp ranks of this tp index)
         _all_reduce_flat([p.grad for p in grads if id(p) not in experts], self.g["data"])
         dist.all_reduce(total, group=self.g["data"])  # the objective: every dp rank's share
