@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
-from .context_parallel import check_cp, cp_group, ring_attention, seq_positions
+from .context_parallel import check_cp, chunk_ids, cp_group, num_chunks, ring_attention, seq_positions
 
 # %% ../nbs/05i_ulysses.ipynb #2c01b7c5
 def check_ulysses(n_head,        # query heads of the model
@@ -112,15 +113,21 @@ def allgather_attention(q, k, v,          # (B, nh, T/cp, hs) queries; K/V may h
                         layout="zigzag",  # how the sequence was split (05g's layouts)
                         stats=None,       # a dict to count the all-gather in
                        ) -> torch.Tensor:
-    "Llama 3's context parallelism: all-gather every rank's K/V once, then attend with a causal mask by positions."
+    "Llama 3's context parallelism: all-gather every rank's K/V once, then each chunk of queries over its prefix."
     group = group or dist.group.WORLD
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     T = q.size(2) * cp
     kv = _AllGather.apply(torch.stack([k, v]), group, stats)           # (cp, 2, B, nh_kv, T/cp, hs)
     k, v = (torch.cat(t.unbind(0), dim=2) for t in kv.unbind(1))       # (B, nh_kv, T, hs) in rank order
-    kpos = torch.cat([seq_positions(T, r, cp, layout, q.device) for r in range(cp)])  # where each key sits
-    mask = kpos[None, :] <= seq_positions(T, rank, cp, layout, q.device)[:, None]   # (T/cp, T): causal
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.size(1) != k.size(1))
+    order = torch.cat([seq_positions(T, r, cp, layout, q.device) for r in range(cp)]).argsort()
+    k, v = k.index_select(2, order), v.index_select(2, order)          # (B, nh_kv, T, hs): the sequence in order
+    c, out = T // num_chunks(cp, layout), []                           # c: tokens per chunk (05g's cut)
+    for j, i in enumerate(chunk_ids(rank, cp, layout)):  # chunk i holds positions i·c to (i+1)·c - 1
+        mask = causal_lower_right(c, (i + 1) * c)  # the c queries are the last c keys: no (T/cp, T) mask is made
+        out.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], k[:, :, :(i + 1) * c],
+                                                  v[:, :, :(i + 1) * c], attn_mask=mask,
+                                                  enable_gqa=q.size(1) != k.size(1)))
+    return torch.cat(out, dim=2)                                       # (B, nh, T/cp, hs) in this rank's order
 
 # %% ../nbs/05i_ulysses.ipynb #75127294
 def _inputs(B, n_head, T, hs, seed, n_kv=None):  # q, k, v, dy of the whole sequence; k and v with n_kv heads
