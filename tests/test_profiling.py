@@ -137,3 +137,23 @@ def test_trainer_profile_steps(tmp_path):
             for s0, s1 in t["steps"]: assert any(s0 <= s < s1 for s in gloo), (name, rank)  # in each step
             s = exposed_summary(t)
             assert 0 <= s["exposed_fraction"] <= 1 and 0 <= s["exposed_s"] <= s["comm_s"] <= s["step_s"]
+
+
+@pytest.mark.fast
+def test_a_cuda_trace_is_read_from_its_kernels(tmp_path):
+    "Compute is every kernel but NCCL's (any stream), communication NCCL's kernels; the CPU's ops and launches not."
+    cpu = [X(STEP, 1, 0, 100, "user_annotation"), X("aten::mm", 1, 0, 95), X("nccl:all_reduce", 1, 30, 31,
+                                                                            "user_annotation")]
+    gpu = [X(STEP, 7, 0, 100, "gpu_user_annotation"), X(BACKWARD, 7, 50, 100, "gpu_user_annotation"),
+           X("ampere_sgemm_128x64_nn", 7, 0, 40, "kernel"), X("elementwise_kernel", 9, 35, 45, "kernel"),
+           X("ampere_sgemm_128x64_nn", 7, 50, 90, "kernel"),
+           X("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 20, 30, 60, "kernel"),
+           X("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 21, 55, 70, "kernel"),
+           X("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 20, 85, 100, "kernel")]
+    t = read_trace(write(tmp_path / "t.json", cpu + gpu))
+    assert t["compute"] == [(0, 45), (50, 90)] and t["backward"] == [(50, 100)]
+    assert t["comm"] == {20: [(30, 60), (85, 100)], 21: [(55, 70)]} and t["threads"] == {20: "stream 20",
+                                                                                         21: "stream 21"}
+    # communication 30-70 and 85-100 (55 ms); exposed where no kernel computes: 45-50 and 90-100
+    assert step_times(t) == [{"step": 100, "compute": 85, "comm": 55, "exposed": 15}]
+    assert exposed_summary(t)["exposed_fraction"] == pytest.approx(15 / 55)
