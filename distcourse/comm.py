@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['COLLECTIVES', 'TIMED', 'tensor_bytes', 'count_collectives', 'ring_bytes_sent', 'bus_factor', 'cap_to_gpus',
            'comm_worker', 'measure_collectives', 'predicted_all_reduce_s', 'nccl_replay', 'p2p_rounds', 'p2p_program',
-           'chain_msgs', 'post_group', 'Posted', 'take']
+           'one_by_one', 'chain_msgs', 'post_group', 'Posted', 'take']
 
 # %% ../nbs/03a_collectives.ipynb #d12c2b20
 import json
@@ -227,6 +227,22 @@ def p2p_program(plan, msgs, rank):  # plan: p2p_rounds' for every rank; msgs: as
             where |= {(peer, label): gid for op, peer, label in x if op == "recv"}
         elif msgs(rank, x)[0]: prog.append(("wait", where[msgs(rank, x)[0]]))
     return prog + [("wait", gid) for gid, (kind, _) in enumerate(plan[rank]) if kind == "post"]
+
+
+def one_by_one(acts, msgs) -> dict:  # as p2p_rounds takes them
+    """Each rank's calls, for `nccl_replay`, when every message goes on its own: a blocking receive when an action
+    needs it, an isend of what it makes at once, every send waited for at the end (the pipelines' first order)."""
+    programs = {}
+    for r, todo in acts.items():
+        prog, sends = [], []
+        for n, action in enumerate(todo):
+            need, make = msgs(r, action)
+            if need: prog += [("post", ("recv", n), [("recv", *need)]), ("wait", ("recv", n))]
+            if make:
+                sends.append(("send", n))
+                prog.append(("post", sends[-1], [("send", *make)]))
+        programs[r] = prog + [("wait", g) for g in sends]
+    return programs
 
 
 def chain_msgs(n,      # stages of the chain, stage v on rank v mod pp

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from conftest import ROOT
-from distcourse.comm import chain_msgs, nccl_replay, p2p_program, p2p_rounds
+from distcourse.comm import chain_msgs, nccl_replay, one_by_one, p2p_program, p2p_rounds
 from distcourse.schedules import HAND, actions, chunks_per_rank
 
 pytestmark = pytest.mark.fast  # pure Python: the calls are played, not run
@@ -19,21 +19,6 @@ def work(name, pp, m) -> tuple:
     "Every rank's actions under hand schedule `name` and its messages (chunk c of rank r: virtual stage c·pp + r)."
     acts = {r: actions(name, r, pp, m) for r in range(pp)}
     return acts, chain_msgs(pp * chunks_per_rank(name), pp, lambda r, a: (a[0] * pp + r, a[1], a[2]))
-
-
-def each_on_its_own(acts, msgs) -> dict:
-    "The first order: a blocking receive when an action needs it, an isend as soon as it makes one, waited at the end."
-    programs = {}
-    for r, todo in acts.items():
-        prog, sends = [], []
-        for n, action in enumerate(todo):
-            need, make = msgs(r, action)
-            if need: prog += [("post", ("recv", n), [("recv", *need)]), ("wait", ("recv", n))]
-            if make:
-                sends.append(("send", n))
-                prog.append(("post", sends[-1], [("send", *make)]))
-        programs[r] = prog + [("wait", g) for g in sends]
-    return programs
 
 
 def in_rounds(acts, msgs, plan=None) -> dict:
@@ -59,9 +44,9 @@ def test_every_schedule_in_rounds_keeps_nccls_rules(name, p, m):
 def test_the_first_order_is_stuck_where_work_crosses(name, p, m):
     "Sent each on its own, the messages of every schedule but GPipe are stuck; buffered (gloo), all pass."
     acts, msgs = work(name, p, m)
-    strict = nccl_replay(each_on_its_own(acts, msgs))
+    strict = nccl_replay(one_by_one(acts, msgs))
     assert bool(strict["stuck"]) == (name != "gpipe"), strict
-    assert nccl_replay(each_on_its_own(acts, msgs), eager=True) == OK
+    assert nccl_replay(one_by_one(acts, msgs), eager=True) == OK
 
 
 def test_two_ranks_that_both_send_first_are_stuck_and_one_group_passes():
