@@ -105,6 +105,7 @@ def parallel(self: DataParallelEngine) -> dict:
 
 # %% ../nbs/07c_engine.ipynb #d5a38c7e
 Mesh.global_batches = True  # every rank draws the global micro-batch and takes its rows (05k's `rows`)
+Mesh.prefetch = True  # apply_fsdp: each block's all-gather started while the block before computes
 
 @patch
 def count_active(self: Mesh, meter): pass  # dense: ExpertMesh (05m) counts its active parameters
@@ -172,8 +173,12 @@ def apply_fsdp(mesh):  # a Mesh (05k), before its first step
     data = mesh.device_mesh["dp", "cp"]._flatten("dp_cp") if mesh.d["cp"] > 1 else mesh.device_mesh["dp"]
     kw = dict(mesh=data, reshard_after_forward=cfg.zero_stage == 3)  # 3: weights freed between forward and backward
     for piece in mesh.model if isinstance(mesh.model, Chunks) else [mesh.model]:  # the GPT, a stage, or chunks
-        for block in piece.transformer.h.children(): fully_shard(block, **kw)  # a ModuleList or a stage's dict
+        blocks = list(piece.transformer.h.children())  # a ModuleList or a stage's dict
+        for block in blocks: fully_shard(block, **kw)
         fully_shard(piece, **kw)  # embeddings, final norm, head: the piece's root unit
+        for a, b in zip(blocks, blocks[1:]) if mesh.prefetch else []:  # torchtitan's explicit prefetch: the
+            a.set_modules_to_forward_prefetch([b])  # next unit's all-gather starts as this one computes
+            b.set_modules_to_backward_prefetch([a])
     for unit in mesh.model.modules():
         if isinstance(unit, FSDPModule):  # reduce-scatter the sum, as the mesh's step sums
             unit.set_gradient_divide_factor(1.0)

@@ -15,15 +15,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 from .context_parallel import seq_positions
-from .ddp import all_reduce_buckets, full, to_local
+from .ddp import Reducer, all_reduce_buckets, full, to_local
 from .gpt import CONV1D, to_gpt
 from .layout import CP_IMPLS, ParallelDims, build_mesh
 from .loaders import EpochSampler
 from .loop import make_optimizer, make_scheduler
 from .pipeline import GPTStage, bubble_fraction, pipeline_step
+from .profiling import BACKWARD
 from .recompute import checkpoint_blocks, measure_saved_bytes, tp_seed
 from .ring_memory import lean_ring_attention
 from .schedules import TORCH, Chunks
@@ -88,21 +90,19 @@ def apply_cp(piece, group, impl):  # piece: the GPT, a GPTStage or one of Chunks
 
 class Mesh:
     "One rank's part of a dp × tp × pp × cp mesh: its model piece, groups, AdamW, schedule, step."
+    bucket_mb = (25, 1)  # 03's Reducer over dp x cp: DDP's caps in MiB (every bucket, the first); None: after backward
     def __init__(self, hf,        # the transformers GPT-2 (GPT2LMHeadModel) as one process holds it
-                 cfg,             # a trainer Config, or anything with its tp, pp, cp (checked),
-                                  # pp_schedule, lr, weight_decay, warmup_steps and max_steps;
-                                  # seed (0 if none): the tp dropout state's; cp_impl ("ring" if none);
-                                  # activation_checkpointing (False if none)
+                 cfg,             # a trainer Config or its fields: tp, pp, cp (checked), pp_schedule, lr,
+                                  # weight_decay, warmup_steps, max_steps; if none: seed 0 (tp dropout's),
+                                  # cp_impl "ring", activation_checkpointing False
                  autocast=nullcontext,  # a context for the forward, e.g. `accelerator.autocast`
-                 device=None,  # where the piece and its batches live, e.g. `accelerator.device`;
-                               # None: where `hf`'s parameters are
+                 device=None,  # where the piece and its batches live (`accelerator.device`); None: `hf`'s
                  device_mesh=None):  # torch's DeviceMesh of these degrees (05ja's build_mesh), None: built
                                      # here; a dry run builds it before entering its fake-tensor mode
         rank, world, tp, pp, cp = dist.get_rank(), dist.get_world_size(), cfg.tp, cfg.pp, cfg.cp
         d = {"dp": world // (tp * pp * cp), "tp": tp, "pp": pp, "cp": cp}
         self._begin(cfg, d, autocast, device if device is not None else next(hf.parameters()).device)
-        self.hf, self.schedule = hf, cfg.pp_schedule
-        self.cp_impl = getattr(cfg, "cp_impl", "ring")  # cp's attention (CP_IMPLS)
+        self.hf, self.schedule, self.cp_impl = hf, cfg.pp_schedule, getattr(cfg, "cp_impl", "ring")  # CP_IMPLS
         self.layout = mesh_layout(world, tp, pp, cp)  # the formula: pipe_groups reads every pipeline's ranks
         kind = "cuda" if dist.get_backend() == "nccl" else "cpu"  # the mesh's device type: its backend's
         self.device_mesh = device_mesh or build_mesh(ParallelDims(world, tp=tp, cp=cp, pp=pp), kind)
@@ -123,8 +123,7 @@ class Mesh:
         self.model.to(self.device)  # built on the CPU and split, then moved: the piece only
         for piece in self.model if isinstance(self.model, Chunks) else [self.model]:  # the GPT, a stage or chunks
             if d["cp"] > 1: apply_cp(piece, self.g["cp"], self.cp_impl)
-        # the logits' gradient x local/n: it reaches every stage and cp rank
-        if d["pp"] > 1 and self.model.is_last and self.schedule not in TORCH:
+        if d["pp"] > 1 and self.model.is_last and self.schedule not in TORCH:  # the logits' gradient x local/n
             self.model.lm_head.register_full_backward_pre_hook(lambda module, grad: (grad[0] * self.scale,))
         self.opt = make_optimizer(self.model, cfg.lr, cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg.warmup_steps, cfg.max_steps)
@@ -132,9 +131,9 @@ class Mesh:
     def _begin(self, cfg, d, autocast, device):  # d: the degrees {dp, tp, pp, cp}
         "The fields every layout's step reads (05m's ExpertMesh, which builds its own model, calls this too)."
         self.cfg, self.d, self.autocast, self.device = cfg, d, autocast, torch.device(device)
-        self.seed = getattr(cfg, "seed", 0)  # tp's dropout state's
-        self.ac = getattr(cfg, "activation_checkpointing", False)  # 05b's blocks, before any stage takes them
-        self.fsdp, self.scale, self.timeline = False, 1, []  # fsdp: 07c's apply_fsdp; scale: step's local/n
+        # seed: tp's dropout state's; ac: 05b's blocks, before any stage takes them
+        self.seed, self.ac = getattr(cfg, "seed", 0), getattr(cfg, "activation_checkpointing", False)
+        self.fsdp, self.scale, self.timeline, self.reducer = False, 1, [], None  # fsdp: 07c's apply_fsdp
 
     def rows(self, batch):  # a global micro-batch {input_ids, labels} of batch_size·dp examples
         "This rank's (inputs, targets) on the mesh's device: its dp slice; targets shifted left."
@@ -163,11 +162,14 @@ def chunk(self: Mesh, t):  # (b, T, ...): a micro-batch's ids, targets or activa
 
 @patch
 def _loss_sums(self: Mesh, micro, n):  # micro: this rank's [(x, y)]; n: tokens of the global batch
-    "Forward and backward of every micro-batch; the summed loss of this rank's tokens."
+    "Forward and backward of every micro-batch, the last one's launching the data axes' buckets; the loss summed."
+    if self.reducer is None and self.bucket_mb and not self.fsdp and dist.get_world_size(self.g["data"]) > 1:
+        self.reducer = Reducer(self.model.parameters(), self.g["data"], *self.bucket_mb)
     total = torch.zeros((), device=self.device)
-    for x, y in micro:
+    for i, (x, y) in enumerate(micro):
+        if self.reducer: self.reducer.sync = i == len(micro) - 1  # the micro-batches before: no_sync
         with self.autocast(): s = self._forward(x, y)
-        (s / n).backward()  # d(Σ token losses / tokens of the global batch)
+        with record_function(BACKWARD): (s / n).backward()  # d(Σ token losses / tokens of the global batch)
         total += s.detach()
     return total
 
@@ -184,8 +186,7 @@ def step(self: Mesh, micro, max_grad_norm=1.0,  # micro: this rank's [(x, y)] of
     elif self.d["pp"] > 1:  # the pipeline lesson's step: its loss is a mean over this pipeline's tokens
         local = sum((y != -100).sum() for _, y in micro)
         self.scale = local / n  # ÷ local tokens -> ÷ global tokens, on the logits' gradient (a hook: __init__)
-        with self.autocast():
-            loss, self.timeline = pipeline_step(self.model, micro, self.schedule, self.pipe)
+        with self.autocast(): loss, self.timeline = pipeline_step(self.model, micro, self.schedule, self.pipe)
         total = loss * local
     else: total = self._loss_sums(micro, n)
     grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -209,8 +210,9 @@ def count(self: Mesh, micro) -> torch.Tensor:  # micro: this rank's [(x, y)] of 
 @patch
 def sum_grads(self: Mesh, grads, total):  # grads: this rank's gradients; total: its loss sum; both in place
     "Σ of the gradients and the loss over the replicas and the sequence's chunks (dp x cp), in 03's buckets."
-    summed = [] if self.fsdp else grads  # FSDP2 reduce-scattered its gradients (their sum) in backward
-    all_reduce_buckets([*summed, total], self.g["data"])
+    if self.reducer: self.reducer.finish()  # launched from backward (_loss_sums); here their sums are waited for
+    summed = [] if self.fsdp or self.reducer else grads  # FSDP2 reduce-scattered its gradients in backward
+    all_reduce_buckets([*summed, total], self.g["data"])  # a pipeline's stage: after its last backward
 
 # %% ../nbs/05k_mesh.ipynb #c71f732e
 @patch
@@ -256,8 +258,8 @@ def full_state(self: Mesh, grads=False) -> dict:  # grads=True: the gradients in
 @patch
 def full_grads(self: Mesh) -> dict:
     "The gradients one process would hold, under transformers' GPT-2 names (Conv1D transposed)."
-    state = self.full_state(grads=True)  # a collective: every rank calls it
-    return {k: (g.t() if k.endswith(CONV1D) else g).float().cpu() for k, g in state.items()}
+    return {k: (g.t() if k.endswith(CONV1D) else g).float().cpu()  # full_state: a collective, every rank calls it
+            for k, g in self.full_state(grads=True).items()}
 
 # %% ../nbs/05k_mesh.ipynb #d4e8a1b7
 @patch

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .context_parallel import (_count, _shift, attention_block, check_cp, chunk_ids, merge,
+from .comm import Posted
+from .context_parallel import (_count, attention_block, check_cp, chunk_ids, merge,
                                          ring_attention, seq_positions)
 
 # %% ../nbs/05h_ring_memory.ipynb #6bb72ac5
@@ -49,11 +50,19 @@ def _rank_cp(group):
     "(rank, size) of `group`; (0, 1) without a process group."
     return (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
 
-def _hop(x, group, stats, key):
-    "Send `x` to the next rank of the ring, receive the previous rank's; count it in stats[key]."
+def _post_hop(x, group, stats, key):
+    "Start sending `x` to the next rank while receiving the previous rank's: (its buffer, the group to wait for)."
     rank, cp = _rank_cp(group)
     _count(stats, key, x)
-    return _shift(x, group, to=(rank + 1) % cp, frm=(rank - 1) % cp)
+    x, buf = x.contiguous(), torch.empty_like(x)  # x must not change until the send is done
+    ops = [dist.P2POp(dist.isend, x, dist.get_global_rank(group, (rank + 1) % cp), group),
+           dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, (rank - 1) % cp), group)]
+    return buf, Posted(dist.batch_isend_irecv(ops))  # one group, the same order on every rank (03a)
+
+def _arrived(posted) -> torch.Tensor:  # posted: _post_hop's
+    "What a posted hop brought, once it has arrived."
+    posted[1].wait()
+    return posted[0]
 
 def _blocks(rank, cp, step, layout, mine):
     "(i, j, causal) of this step's blocks: query chunk i of `mine` over key chunk j of the visitor."
@@ -72,12 +81,13 @@ class _LeanRing(torch.autograd.Function):
         qs = q.chunk(n, 2)           # this rank's query chunks
         acc = [None] * n             # (output, lse) of each query chunk so far
         kv = torch.stack([k, v])     # (2, B, nh, T/cp, hs): one message per step
-        for step in range(cp):
-            if step: kv = _hop(kv, group, stats, "kv_sends")  # now rank - step's K/V
+        for step in range(cp):  # the next K/V is on its way while this one is computed with
+            nxt = _post_hop(kv, group, stats, "kv_sends") if step < cp - 1 else None
             ks, vs = kv[0].chunk(n, 2), kv[1].chunk(n, 2)
             for i, j, causal in _blocks(rank, cp, step, layout, mine):
                 part = attention_block(qs[i], ks[j], vs[j], causal)
                 acc[i] = part if acc[i] is None else merge(*acc[i], *part)
+            if nxt: kv = _arrived(nxt)  # now rank - step - 1's K/V
         out, lse = (torch.cat(t, 2) for t in zip(*acc))  # (B, nh, T/cp, hs), (B, nh, T/cp, 1)
         ctx.save_for_backward(q, k, v, out, lse)        # all autograd keeps: O(T/cp)
         ctx.group, ctx.layout, ctx.stats = group, layout, stats
@@ -93,20 +103,21 @@ class _LeanRing(torch.autograd.Function):
         qs, dos, lses, Ds = (t.chunk(n, 2) for t in (q, dout, lse, D))
         dq = torch.zeros_like(q)
         dqs = dq.chunk(n, 2)                     # views: += writes into dq
-        kv = torch.stack([k, v])
-        dkv = torch.zeros_like(kv)               # the gradient of the K/V block this rank holds
-        for step in range(cp):
-            if step:  # K/V and the gradient gathered for them so far travel together: one message
-                msg = _hop(torch.cat([kv, dkv]), ctx.group, ctx.stats, "bwd_sends")
-                kv, dkv = msg[:2], msg[2:]
+        kv, back = torch.stack([k, v]), None  # back: the gradient of the K/V block held, on its way on
+        for step in range(cp):  # the next K/V is posted first: it travels while this block is computed
+            nxt = _post_hop(kv, ctx.group, ctx.stats, "bwd_sends") if step < cp - 1 else None
+            dkv = torch.zeros_like(kv)  # this rank's share of the held block's dK/dV
             ks, vs, dks, dvs = (t.chunk(n, 2) for t in (*kv, *dkv))  # views: += writes into dkv
             for i, j, causal in _blocks(rank, cp, step, ctx.layout, mine):
                 dqi, dkj, dvj = block_backward(qs[i], ks[j], vs[j], dos[i], lses[i], Ds[i], causal)
                 dqs[i].add_(dqi)
                 dks[j].add_(dkj)
                 dvs[j].add_(dvj)
-        if cp > 1:  # it holds rank + 1's block now: one more hop takes each gradient home
-            dkv = _hop(dkv, ctx.group, ctx.stats, "bwd_sends")
+            if back: dkv += _arrived(back)  # what the ranks before added to this block's gradient
+            # the gradient follows its block: the last hop (after step cp - 1) takes each one home
+            back = _post_hop(dkv, ctx.group, ctx.stats, "bwd_sends") if cp > 1 else None
+            if nxt: kv = _arrived(nxt)
+        if back: dkv = _arrived(back)
         return dq, dkv[0], dkv[1], None, None, None
 
 def lean_ring_attention(q, k, v,     # (B, nh, T/cp, hs): this rank's tokens, in `layout` order

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from conftest import grads_diff, worst_rel
@@ -160,3 +161,77 @@ def test_all_reduce_buckets_sums_as_one_call_per_bucket(tmp_path):
     # float32 (60, 28, 32, 4 bytes), float64 (8), int64 (32): cap 1 closes every bucket after one tensor; at 80
     # bytes float32's close after 60 + 28, then 32 + 4; a large cap leaves one bucket per dtype
     assert res == {1: (6, True), 80: (4, True), 2**30: (3, True)}, res
+
+
+class _Tied(torch.nn.Module):
+    "An embedding, a layer, a frozen layer and an output layer tied to the embedding."
+    def __init__(self, vocab=32, width=16):
+        super().__init__()
+        self.emb, self.body = torch.nn.Embedding(vocab, width), torch.nn.Linear(width, width)
+        self.frozen = torch.nn.Linear(width, width).requires_grad_(False)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x): return self.head(self.frozen(torch.tanh(self.body(self.emb(x)))))
+
+
+def wrapper_worker(out, fault=None):
+    "Rank 0 writes each step's gradients under DataParallel and DDP (x N), 2 SGD steps of 2 micro-batches."
+    from distcourse.ddp import DataParallel, Reducer
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if fault == "early":  # launch a bucket when its first gradient is ready, not its last
+        def early(self, p):
+            i = self.bucket_of[p]
+            if self.sync and i not in self.works: self._launch(i)
+        Reducer._ready = early
+    torch.manual_seed(rank)  # every rank its own weights: the wrap must broadcast rank 0's
+    ours, theirs = _Tied(), _Tied()
+    theirs.load_state_dict(ours.state_dict()); theirs.head.weight = theirs.emb.weight
+    if fault == "no broadcast": dist.broadcast, real = (lambda *a, **k: None), dist.broadcast
+    dp = DataParallel(ours, cap_mb=1e-3, first_mb=1e-3)  # a bucket per tensor or two
+    if fault == "no broadcast": dist.broadcast = real
+    ddp = torch.nn.parallel.DistributedDataParallel(theirs)
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (ours, theirs)]
+    g, res = torch.Generator().manual_seed(10 + rank), {"grads": [], "buckets": len(dp.reducer.buckets)}
+    for _ in range(2):
+        xs = [torch.randint(0, 32, (3, 5), generator=g) for _ in range(2)]
+        for model, scale in ((dp, 1.0), (ddp, world)):
+            with model.no_sync(): model(xs[0]).logsumexp(-1).mean().mul(scale).backward()
+            model(xs[1]).logsumexp(-1).mean().mul(scale).backward()
+        res["calls"] = dp.finish_gradient_synchronization()
+        res["grads"].append([{n: p.grad if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
+                             for m in (ours, theirs)])
+        for opt in opts: opt.step(); opt.zero_grad(set_to_none=True)
+    if rank == 0: torch.save(res, out / "wrapper.pt")
+    del ddp
+    dist.barrier(); dist.destroy_process_group()
+
+
+def _wrapper_worst(tmp_path, fault=None) -> tuple:
+    launch(wrapper_worker, (tmp_path, fault), num_processes=2, timeout=120, **CPU)
+    res = torch.load(tmp_path / "wrapper.pt")
+    worst = 0.0
+    for mine, ddp in res["grads"]:
+        assert mine["frozen.weight"] is None and ddp["frozen.weight"] is None
+        assert mine.keys() == ddp.keys() and "head.weight" not in mine  # the tied tensor: under its first name
+        worst = max(worst, *(((mine[n] - ddp[n]).norm() / ddp[n].norm()).item() for n in mine if mine[n] is not None))
+    return worst, res
+
+
+@pytest.mark.fast
+def test_data_parallel_wrapper_equals_ddp(tmp_path):
+    """Lesson 03's DataParallel: rank 0's weights broadcast at wrap, each bucket all-reduced from backward hooks,
+    no_sync for accumulation, a frozen parameter left alone and a tied one synced once: every gradient of two
+    steps equals DDP's (x N, DDP averages), one call per bucket."""
+    worst, res = _wrapper_worst(tmp_path)
+    assert worst < 1e-6, worst
+    assert res["calls"] == res["buckets"] == 2  # body (bias, weight); the embedding (tied)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fault", ["early", "no broadcast"])
+def test_data_parallel_wrapper_faults_caught(tmp_path, fault):
+    "A bucket sent before its last gradient is in, or replicas left with their own weights: the comparison fails."
+    worst, _ = _wrapper_worst(tmp_path, fault)
+    assert worst > 1e-3, (fault, worst)

@@ -335,3 +335,30 @@ def test_cli_refuses_with_exit_2(tmp_path, capsys, monkeypatch):
         main(["--config", str(ROOT / "configs/tiny.yaml"), "--tp", "3", "--output_dir", str(tmp_path / "x")])
     assert e.value.code == 2 and "--tp 3: n_head=2 is not divisible by tp=3" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not torch.distributed.is_initialized()
+
+
+def _overlapped_main(args, bucket_mb):
+    "The trainer's main with `Mesh.bucket_mb` set (a fork of this process: the class attribute goes with it)."
+    Mesh.bucket_mb = bucket_mb
+    main(args)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("bucket_mb", [(25, 1), None])
+def test_dp_cp_step_sums_gradients_in_a_few_calls_launched_from_backward(tmp_path, bucket_mb):
+    """dp 2 x cp 2, read from the run's own --profile_steps trace: a step makes a handful of all-reduces, not one
+    per tensor, and 03's Reducer launches the buckets inside backward; with `bucket_mb=None` (05k's sum after
+    backward) none starts there, so the check can fail."""
+    from distcourse.profiling import read_trace
+    args = ["--config", str(ROOT / "configs/tiny.yaml"), "--cp", "2", "--batch_size", "2", "--seq_len", "32",
+            "--max_steps", "3", "--eval_every", "0", "--max_examples", "100", "--tracker", "none",
+            "--profile_steps", "2:3", "--output_dir", str(tmp_path)]
+    launch(_overlapped_main, (args, bucket_mb), num_processes=4, timeout=240)
+    t = read_trace(tmp_path / "traces/rank0.json")
+    events = json.loads((tmp_path / "traces/rank0.json").read_text())["traceEvents"]
+    calls = [e["ts"] / 1e3 - t["start"] for e in events if e.get("ph") == "X" and e["name"] == "c10d::allreduce_"]
+    calls = [c for c in calls if any(s <= c < e for s, e in t["steps"])]
+    in_backward = [c for c in calls if any(s <= c < e for s, e in t["backward"])]
+    tensors = 4 + 12 * 2  # tiny: wte, wpe, ln_f's 2, 2 blocks of 12 (the head is tied): one call each, were it so
+    assert len(t["steps"]) == 2 and 2 * 2 <= len(calls) <= 2 * 4 < tensors, calls  # count, buckets, loss
+    assert (len(in_backward) >= 2) == (bucket_mb is not None), (calls, t["backward"])

@@ -110,7 +110,7 @@ FAULTS = [
     fault("ring: rowsum term dropped", "ring_memory", "ds = p * (dout @ v.transpose(-2, -1) - D)",
           "ds = p * (dout @ v.transpose(-2, -1))", "cp2", "dS = P * dP, without FlashAttention-2's - rowsum(dO * O)"),
     fault("ring: dK/dV one rank off", "ring_memory",
-          '            dkv = _hop(dkv, ctx.group, ctx.stats, "bwd_sends")\n', "            pass\n", "cp2",
+          "        if back: dkv = _arrived(back)\n", "        if back: _arrived(back)\n", "cp2",
           "the last hop home dropped: each rank returns its neighbour's K/V gradient as its own"),
     fault("ulysses: pieces one rank off", "ulysses", "return torch.cat(recv.unbind(0), dim=gather)",
           "return torch.cat(recv.roll(1, 0).unbind(0), dim=gather)", "cp2 ulysses",

@@ -91,3 +91,38 @@ def test_no_point_to_point_call_passes_a_tag():
     for path in sorted((ROOT / "distcourse").glob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             assert not (calls.search(line) and "tag=" in line), f"{path.name}:{n} passes a tag: {line.strip()}"
+
+
+def ring_program(r, cp, forward=True) -> list:
+    """Rank r's calls in 05h's lean ring, as its code posts them: each hop one group (send to r + 1, receive from
+    r - 1), posted before the step's compute; backward's gradient follows its block one hop behind, home last.
+    Labels say which rank's block a message carries, so a pairing across blocks is a mismatch."""
+    prog, nxt, back = [], None, None
+    def hop(kind, step, gid):  # at `step` rank r holds rank r - step's block and receives r - 1 - step's
+        prog.append(("post", gid, [("send", (r + 1) % cp, (kind, (r - step) % cp)),
+                                   ("recv", (r - 1) % cp, (kind, (r - 1 - step) % cp))]))
+        return gid
+    for step in range(cp):
+        nxt = hop("kv", step, ("kv", step)) if step < cp - 1 else None
+        if not forward:
+            if back: prog.append(("wait", back))
+            back = hop("dkv", step, ("dkv", step))
+        if nxt: prog.append(("wait", nxt))
+    if back: prog.append(("wait", back))
+    return prog
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_the_lean_rings_posted_hops_keep_nccls_rules(cp):
+    "05h's ring, forward and backward, with two groups in flight at once (K/V and the gradient): paired, not stuck."
+    for forward in (True, False):
+        programs = {r: ring_program(r, cp, forward) for r in range(cp)}
+        assert nccl_replay(programs) == OK and nccl_replay(programs, eager=True) == OK
+    # a rank that posts its gradient before the next K/V (the others the other way round) pairs blocks wrongly
+    programs = {r: ring_program(r, cp, False) for r in range(cp)}
+    prog = programs[0]
+    i = next(i for i, c in enumerate(prog) if c[0] == "post" and c[1] == ("dkv", 1))
+    j = next(j for j, c in enumerate(prog) if c[0] == "post" and c[1] == ("kv", 1)) if cp > 2 else None
+    if j is not None:
+        prog[i], prog[j] = prog[j], prog[i]
+        assert nccl_replay(programs)["mismatches"] or nccl_replay(programs)["stuck"]
