@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['shard_batch', 'save_grads', 'grads_by_hand', 'grads_ddp', 'all_reduce_buckets', 'bucket_params', 'Reducer',
-           'DataParallel', 'clip_grads', 'train_step', 'train_steps', 'to_local', 'full', 'full_grads', 'train_worker']
+           'DataParallel', 'clip_grads', 'train_step', 'train_steps', 'to_local', 'full', 'full_grads',
+           'full_state_dict', 'train_worker']
 
 # %% ../nbs/03_ddp.ipynb #affb3796
 import json
@@ -245,6 +246,10 @@ def full_grads(model) -> dict:
         g = full(p.grad)
         out[name] = g.detach().float().cpu().clone()
     return out
+
+def full_state_dict(model) -> dict:
+    "The full weights of a DDP, FSDP2 or plain model on every rank, on CPU (call it on all ranks: it gathers shards)."
+    return {k: full(v).detach().cpu() for k, v in model.state_dict().items()}
 
 # %% ../nbs/03_ddp.ipynb #c3f18cd3
 def train_worker(out_dir, task="clm", batch_size=8, grad_accum=1, steps=4, lr=3e-3, warmup_steps=1,

@@ -21,7 +21,7 @@ from .recompute import activation_bytes
 from .reshard import MeshState, load_into_mesh, load_whole
 from .resume import ShardedState
 from .schedules import Chunks
-from .zero import FlatZeroOptimizer, prepare_zero
+from .zero import prepare_zero, zero_optimizer
 
 # %% ../nbs/07c_engine.ipynb #1827c3d8
 # What the trainer asks a run's engine, in the order it asks (lesson 09a's `train`)
@@ -163,7 +163,7 @@ def make_engine(cfg,  # the trainer's Config (or its fields): tp, pp, cp and the
 def apply_zero1(mesh):  # a Mesh (05k), before its first step
     "ZeRO-1 on the mesh: 05a's flat AdamW over the data axes, each rank updating its slice of the piece's weights."
     cfg = mesh.cfg  # lr, weight_decay, warmup_steps, max_steps
-    mesh.opt = FlatZeroOptimizer(mesh.model, cfg.lr, cfg.weight_decay, group=mesh.g["data"])  # dp, or dp x cp
+    mesh.opt = zero_optimizer(mesh.model, cfg.lr, cfg.weight_decay, group=mesh.g["data"])  # dp, or dp x cp
     mesh.sched = make_scheduler(mesh.opt, cfg.warmup_steps, cfg.max_steps)
     return mesh
 

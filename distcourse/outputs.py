@@ -17,8 +17,8 @@ from accelerate.utils import DistributedType
 
 from .checkpoint import clear_run
 from .data import hub_offline
+from .ddp import full_state_dict
 from .tracking import log_metrics, plot_run
-from .zero import full_state_dict
 
 # %% ../nbs/08b_outputs.ipynb #e0d648a3
 class Run:

@@ -80,7 +80,7 @@ LAYOUTS = {"dp8": (1, 1, 1, "1f1b"), "dp2_tp4": (4, 1, 1, "1f1b"),
            "dp2_tp2_cp2": (2, 1, 2, "1f1b")}
 # name: (--zero_stage, stage 2's optimizer): what `prepare_zero` builds; dp 8. The trainer builds
 # FSDP2 at stage 2; ZeRO-2 by hand (lesson 05a's FlatZero2Optimizer) is prepare_zero's other choice.
-STAGES = {"ddp": (0, None), "zero1": (1, None), "zero2_by_hand": (2, zero.FlatZero2Optimizer),
+STAGES = {"ddp": (0, None), "zero1": (1, None), "zero2_by_hand": (2, zero.ZERO2["flat"]),
           "fsdp2_zero2": (2, None), "fsdp2_zero3": (3, None)}
 # The dry run changes the interpreter it runs in (a renamed PrivateUse1 backend, a default process
 # group of its own), and an earlier test may have left a default group: it runs in a fresh one.
@@ -344,7 +344,7 @@ def trainer_step(hf, layout, rank, out_dir) -> tuple:
             res["memory"] = memory
             if zero2 is None: _save(acc, cfg, 1, res["tokens"], stream)
             else: opt.consolidate_state_dict(to=0)  # its own save: the whole state on rank 0
-            full = zero.full_state_dict(acc.unwrap_model(model))  # what `save_model` writes
+            full = ddp.full_state_dict(acc.unwrap_model(model))  # what `save_model` writes
         return acc.unwrap_model(model), opt, sched, res, full
     finally: dist.destroy_process_group()
 

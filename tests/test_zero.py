@@ -1,4 +1,5 @@
 "ZeRO stages 0-3 on 2 real processes: memory model, measured bytes, losses, traffic, the trainer's --zero_stage."
+import copy
 import importlib.util
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
-from conftest import ROOT, grads_diff, run_cli, run_worker, trainer_cmd, worst_rel
+from conftest import ROOT, grads_diff, run_cli, run_worker, trainer_cmd, worst_rel, worst_tensor
 from distcourse.comm import ring_bytes_sent
 from distcourse.loop import make_optimizer
 from distcourse.memory import STAGES, zero_bytes
@@ -379,3 +380,119 @@ def test_cli_stage1_resume_is_exact(cli_runs, tmp_path):
     assert json.loads((again / "run.json").read_text())["resumed_from"]["step"] == 2
     resumed = [json.loads(l)["loss"] for l in open(again / "metrics.jsonl") if '"split"' not in l]
     assert resumed == losses  # exact float equality
+
+
+# ------------------------------------------------------------------ FlatZeroOptimizer as a drop-in for torch's
+DROP_IN_TOL = 1e-6  # each parameter's update against its own norm; measured 0 (slices step the same numbers)
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.05)  # the defaults every optimizer below is given
+
+
+class TiedNet(torch.nn.Module):
+    "A token embedding tied to the output layer, a hidden layer, a frozen matrix and a norm: ZeRO's awkward cases."
+    def __init__(self, vocab=37, dim=10):
+        super().__init__()
+        self.wte, self.fc, self.frozen = (torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, dim),
+                                          torch.nn.Linear(dim, dim))
+        self.ln, self.head = torch.nn.LayerNorm(dim), torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied: one tensor, two names
+        self.frozen.weight.requires_grad_(False)
+
+    def forward(self, idx):  # (B, T) -> (B, T, vocab)
+        x = self.wte(idx)
+        return self.head(self.ln(self.frozen(x + torch.tanh(self.fc(x)))))
+
+
+def groups_of(net, listed=False):
+    """Two groups, decay 0.1 on matrices and 0.01 on vectors. listed: as a careless caller lists them, from
+    named_parameters(remove_duplicate=False): the tied matrix twice and the frozen one too."""
+    named = list(net.named_parameters(remove_duplicate=not listed))
+    if not listed: named += [("frozen.weight", net.frozen.weight)]  # torch's AdamW skips it: no gradient
+    return [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.01}]
+
+
+def drop_in_worker(out, steps=3):
+    "Worker: FlatZeroOptimizer (clean, then each planted fault), FlatZero2Optimizer and torch's ZeRO beside AdamW."
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from distcourse.zero import FlatZero2Optimizer, FlatZeroOptimizer
+    dist.init_process_group("gloo")
+    rank, AdamW, res = dist.get_rank(), torch.optim.AdamW, {}
+    torch.manual_seed(0)
+    base = TiedNet()
+
+    def flat(net, fault=None, cls=FlatZeroOptimizer, plain=False, **kw):
+        params = [*net.parameters(), net.head.weight] if plain else groups_of(net, listed=True)  # tie twice
+        hyper = {k: v for k, v in HYPER.items() if not (fault == "betas" and k == "betas")}  # betas ignored
+        if fault == "one decay": params = [{"params": g["params"]} for g in params]  # the groups' decay dropped
+        net.frozen.weight.requires_grad_(fault == "frozen")  # frozen, yet sharded: decayed
+        opt = cls(params, AdamW, **hyper, **kw)
+        net.frozen.weight.requires_grad_(False)
+        if fault == "twice" and rank == 0:  # rank 0's slices take the update twice
+            once = opt.optim.step
+            opt.optim.step = lambda: (once(), once())[0]
+        return opt
+
+    def torch_opt(net, cls, plain):
+        params = net.parameters() if plain else groups_of(net)
+        return cls(params, **HYPER) if cls is AdamW else cls(params, optimizer_class=AdamW, **HYPER)
+
+    cases = {"flat": dict(), "flat, plain params": dict(plain=True), "flat2": dict(cls=FlatZero2Optimizer,
+             reduce_bucket_size=100), "twice": dict(fault="twice"), "betas": dict(fault="betas"),
+             "frozen": dict(fault="frozen"), "one decay": dict(fault="one decay")}
+    for name, kw in cases.items():
+        plain = kw.get("plain", False)
+        nets = {k: copy.deepcopy(base) for k in ("adamw", "torch", "flat")}
+        opts = {"adamw": torch_opt(nets["adamw"], AdamW, plain),
+                "torch": torch_opt(nets["torch"], ZeroRedundancyOptimizer, plain), "flat": flat(nets["flat"], **kw)}
+        frozen0, errs = base.frozen.weight.detach().clone(), {"torch": [], "flat": []}
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)  # the same batch on every rank: the gradient DDP would give
+            idx, tgt = torch.randint(0, 37, (4, 6), generator=g), torch.randint(0, 37, (4, 6), generator=g)
+            moved = {}
+            for k, net in nets.items():
+                before = {n: p.detach().clone() for n, p in net.named_parameters()}
+                opts[k].zero_grad()
+                F.cross_entropy(net(idx).flatten(0, 1), tgt.flatten()).backward()
+                opts[k].step()
+                moved[k] = {n: p.detach() - before[n] for n, p in net.named_parameters()}  # this step's update
+            for k in errs:
+                errs[k].append(worst_tensor(moved["adamw"], moved[k])[0])
+        res[name] = {"errs": errs, "frozen_kept": torch.equal(nets["flat"].frozen.weight, frozen0),
+                     "numbers": sum(p.numel() for ps in opts["flat"].groups for p in ps)}
+    if rank == 0: torch.save(res, out / "drop_in.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def drop_in(tmp_path_factory):
+    from distcourse.launch import launch
+    out = tmp_path_factory.mktemp("drop_in")
+    launch(drop_in_worker, (out,), num_processes=2, timeout=120, ACCELERATE_USE_CPU="true")
+    return torch.load(out / "drop_in.pt")
+
+
+@pytest.mark.fast
+def test_flat_zero_is_a_drop_in_for_torchs(drop_in):
+    """FlatZeroOptimizer(params, AdamW, lr=, betas=, weight_decay=) on 2 ranks, given torch's forms of params (two
+    groups of different decay, or a plain list) with the tied matrix listed twice and a frozen one: every
+    parameter's update at every step equals one-process AdamW's, as torch's ZeroRedundancyOptimizer's does."""
+    trainable = 37 * 10 + 10 * 10 + 10 + 10 + 2 * 10  # wte (= head), fc, fc's and frozen's biases, ln: once each
+    for name in ("flat", "flat, plain params", "flat2"):
+        r = drop_in[name]
+        print(name, {k: max(v) for k, v in r["errs"].items()})
+        assert max(r["errs"]["flat"]) <= DROP_IN_TOL and max(r["errs"]["torch"]) <= DROP_IN_TOL, (name, r)
+        assert r["frozen_kept"] and r["numbers"] == trainable, (name, r)  # the tie once, the frozen matrix out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("fault", ["twice", "betas", "frozen", "one decay"])
+def test_flat_zero_drop_in_catches_planted_faults(drop_in, fault):
+    "A slice updated twice on one rank, betas ignored, the frozen matrix sharded, the groups' decay lost: caught."
+    r = drop_in[fault]
+    print(fault, max(r["errs"]["flat"]))
+    assert max(r["errs"]["flat"]) > 100 * DROP_IN_TOL, r
+    assert max(r["errs"]["torch"]) <= DROP_IN_TOL  # the reference itself is unchanged
+    assert r["frozen_kept"] != (fault == "frozen"), r
