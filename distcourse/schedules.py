@@ -4,17 +4,21 @@
 
 # %% auto #0
 __all__ = ['HAND', 'TORCH', 'check_schedule', 'chunks_per_rank', 'interleaved_actions', 'zb_h1_actions', 'actions', 'needs',
-           'replay_actions', 'in_flight', 'run_schedule', 'sync_tied_chunks', 'virtual_stage', 'schedule_chunks',
-           'torch_schedule', 'torch_schedule_step', 'check_torch_schedule', 'Chunks', 'sched_worker']
+           'replay_actions', 'in_flight', 'SplitLinear', 'stashing', 'weight_grads', 'storages', 'saving',
+           'run_schedule', 'sync_tied_chunks', 'virtual_stage', 'schedule_chunks', 'check_torch_schedule', 'Chunks',
+           'sched_worker']
 
 # %% ../nbs/05f_schedules.ipynb #0d206fc9
 import json
 import time
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.pipelining import (PipelineStage, ScheduleDualPipeV, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
@@ -48,8 +52,7 @@ def interleaved_actions(rank, pp, m, v=2) -> list:
     "Megatron's interleaved 1F1B for `rank`: [(chunk, micro-batch, 'F' or 'B')]."
     def fwd(k): return (k // pp) % v, (k // (pp * v)) * pp + k % pp  # the k-th forward: (chunk, mb)
     def bwd(k): return v - 1 - fwd(k)[0], fwd(k)[1]  # backwards walk the chunks the other way
-    total = m * v
-    warmup = min((pp - rank - 1) * 2 + (v - 1) * pp, total)  # Megatron's count
+    total, warmup = m * v, min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)  # Megatron's count of warm-up forwards
     acts = [(*fwd(k), "F") for k in range(warmup)]
     for k in range(total - warmup): acts += [(*fwd(warmup + k), "F"), (*bwd(k), "B")]
     return acts + [(*bwd(k), "B") for k in range(total - warmup, total)]
@@ -109,6 +112,45 @@ def in_flight(acts, split) -> int:
         peak = max(peak, held)
     return peak
 
+# %% ../nbs/05f_schedules.ipynb #accf8cbb
+class SplitLinear(torch.autograd.Function):
+    "`layer`(x) whose backward returns only dx: (layer, x, dy) go to `stash`, for W to make dW and db from."
+    @staticmethod
+    def forward(ctx, layer, stash, x):  # layer: an nn.Linear, weight (out, in); x: (b, T, in)
+        ctx.save_for_backward(x)
+        ctx.layer, ctx.stash = layer, stash
+        return F.linear(x, layer.weight, layer.bias)  # (b, T, out); autograd sees x only: no dW in B
+
+    @staticmethod
+    def backward(ctx, dy):  # dy: (b, T, out)
+        x, = ctx.saved_tensors
+        ctx.stash.append((ctx.layer, x, dy))  # all W needs; the rest of the graph is freed by B
+        return None, None, dy @ ctx.layer.weight  # dx: (b, T, in)
+
+@contextmanager
+def stashing(module, stash):  # stash: a list, filled in B by this forward's Linears
+    "Within: every nn.Linear of `module` runs as a SplitLinear; its weight gradient waits in `stash`."
+    layers = [lin for lin in module.modules() if isinstance(lin, nn.Linear)]
+    for lin in layers: lin.forward = partial(SplitLinear.apply, lin, stash)  # the instance's, over the class's
+    try: yield stash
+    finally: [delattr(lin, "forward") for lin in layers]  # the class's forward again
+
+def weight_grads(stash):
+    "W: each stashed Linear's dW = Σ dyᵀ x and db = Σ dy over (b, T), added to .grad; the stash emptied."
+    while stash:
+        lin, x, dy = stash.pop()
+        grads = [(lin.weight, dy.flatten(0, -2).T @ x.flatten(0, -2))]  # (out, in)
+        if lin.bias is not None: grads.append((lin.bias, dy.flatten(0, -2).sum(0)))  # (out,)
+        for p, g in grads: p.grad = g if p.grad is None else p.grad.add_(g)
+
+def storages(tensors, skip=()) -> dict:
+    "{storage address: bytes} of `tensors`, each storage once; the addresses in `skip` (parameters') left out."
+    return {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in tensors) if s.data_ptr() not in skip}
+
+def saving(into, skip):  # into: {storage address: bytes}, filled; skip: the parameters' addresses
+    "A context that records each tensor autograd saves for the backward in `into`, parameters left out."
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: into.update(storages([t], skip)) or t, lambda t: t)
+
 # %% ../nbs/05f_schedules.ipynb #c599d0f5
 def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage c·pp + rank
                  micro_batches, # [(x_i, y_i)], the same on every rank
@@ -120,39 +162,40 @@ def run_schedule(chunks,        # this rank's GPTStages, chunk c = virtual stage
     plan = p2p_rounds({q: actions(schedule, q, pp, m, len(chunks)) for q in range(pp)}, msgs)[r]
     def empty(label): return torch.empty(*micro_batches[label[2]][0].shape, chunks[0].config.n_embd, device=device)
     n_tokens = sum((y != -100).sum() for _, y in micro_batches)
-    inputs, outputs, waiting_w, box, arrives, posted, timeline = {}, {}, {}, {}, {}, [], []
+    params = {p.untyped_storage().data_ptr() for st in chunks for p in st.parameters()}
+    inputs, outputs, saved, stashes, box, arrives, posted, timeline = {}, {}, {}, {}, {}, {}, [], []
     loss = torch.zeros((), device=device)
     for step, what in plan:
         if step == "post":  # a round's messages, posted as one group (no tags: NCCL ignores them)
             posted.append(post_group(what, box, arrives, ranks, groups.pipe, empty))
             continue
         (c, i, kind), (need, make) = what, msgs(r, what)
-        st, (x, y) = chunks[c], micro_batches[i]
+        st, (x, y), key = chunks[c], micro_batches[i], (c, i)
         if need:  # F: (b, T, C) from the virtual stage before; B: the gradient of this chunk's output
             x = take(need[1], box, arrives).requires_grad_(kind == "F")
         start = time.perf_counter()
-        if kind == "F":
-            out = st(x)  # (b, T, C); the last virtual stage: logits (b, T, V), then its loss share
-            if st.is_last: out = token_loss(out, y, n_tokens)
-            inputs[(c, i)], outputs[(c, i)] = x, out  # held until released: activations in flight
-        elif kind == "B" and split:  # input gradient only; the graph stays for W
-            out, grad = outputs[(c, i)], x if need else None
-            waiting_w[(c, i)] = (out, grad)
-            if make: dx = torch.autograd.grad(out, inputs[(c, i)], grad, retain_graph=True)[0]
-        elif kind == "B":  # the whole backward: input and weight gradients, frees the graph
-            torch.autograd.backward(outputs[(c, i)], x if need else None)
-            dx = inputs[(c, i)].grad if make else None
-        else:  # W: the weight gradients that B left out
-            torch.autograd.backward(*waiting_w.pop((c, i)), inputs=list(st.parameters()))
-        if kind == ("W" if split else "B"): inputs.pop((c, i)), outputs.pop((c, i))
-        timeline.append(dict(stage=r, chunk=c, kind=kind, mb=i, start=start,
-                             end=time.perf_counter(), in_flight=len(outputs)))
+        if kind == "F":  # split: the Linears stash (x, dy) in B for W
+            saved[key], stashes[key] = {}, []
+            with saving(saved[key], params), (stashing(st, stashes[key]) if split else nullcontext()):
+                out = st(x)  # (b, T, C); the last virtual stage: logits (b, T, V), then its loss share
+                if st.is_last: out = token_loss(out, y, n_tokens)
+            inputs[key], outputs[key] = x, out  # held until released: activations in flight
+        elif kind == "B":  # frees the graph; split: dx and the non-Linear gradients only
+            torch.autograd.backward(outputs[key], x if need else None)
+            dx = inputs[key].grad if make else None
+            saved[key] = storages((t for _, *xdy in stashes[key] for t in xdy), params)  # now: W's stash
+        else: weight_grads(stashes[key])  # W: the stashed matmuls
+        if kind == ("W" if split else "B"): inputs.pop(key), outputs.pop(key), saved.pop(key), stashes.pop(key)
+        held = {k: n for per in saved.values() for k, n in per.items()}  # each storage once
+        timeline.append(dict(stage=r, chunk=c, kind=kind, mb=i, start=start, end=time.perf_counter(),
+                             in_flight=len(outputs), held=sum(held.values())))
         if kind == "F" and st.is_last: loss += out.detach()
         elif make: box[make[1]] = out.detach() if kind == "F" else dx
     for group in posted: group.wait()  # each once (Posted)
     sync_tied_chunks(chunks, groups)
     dist.all_reduce(loss, group=groups.pipe)  # only the last virtual stage's rank added its losses
     return loss, timeline
+
 
 # %% ../nbs/05f_schedules.ipynb #85f9e9f9
 def sync_tied_chunks(chunks, groups):
@@ -179,31 +222,6 @@ def schedule_chunks(model, rank, pp, name, v=2) -> list:
     n = chunks_per_rank(name, v) if name in HAND else v
     if TORCH.get(name, (None, "loop"))[1] == "v": n = 2  # a V has two arms
     return [GPTStage(model, virtual_stage(name, c, rank, pp, n), pp * n) for c in range(n)]
-
-# %% ../nbs/05f_schedules.ipynb #83b753e6
-def torch_schedule(name,          # "interleaved", "zb", "zbv" or "dualpipev"
-                   chunks,        # this rank's GPTStages from schedule_chunks
-                   micro_batches, # m
-                   loss_fn,       # loss_fn(logits, targets), on the last virtual stage
-                   group):        # the pipeline's process group
-    "PyTorch's schedule `name` over this rank's chunks: the entry point a trainer calls."
-    if name not in TORCH: raise ValueError(f"schedule={name!r}: choose one of {tuple(TORCH)}")
-    device = next(chunks[0].parameters()).device
-    stages = [PipelineStage(st, st.stage, st.pp, device, group=group) for st in chunks]
-    return TORCH[name][0](stages, micro_batches, loss_fn=loss_fn, scale_grads=False)  # token shares
-
-def torch_schedule_step(chunks, x, y, # this rank's chunks; the whole batch (B, T): ids, targets
-                        micro_batches, name, groups):
-    "One step of PyTorch's schedule `name`; the batch's loss (every rank)."
-    n_tokens = (y != -100).sum()
-    def loss_fn(logits, targets): return token_loss(logits, targets, n_tokens)
-    sched, losses = torch_schedule(name, chunks, micro_batches, loss_fn, groups.pipe), []
-    first, last = any(st.is_first for st in chunks), any(st.is_last for st in chunks)
-    sched.step(*((x,) if first else ()), **(dict(target=y, losses=losses) if last else {}))
-    sync_tied_chunks(chunks, groups)
-    loss = torch.stack(losses).sum().detach() if last else torch.zeros((), device=x.device)
-    dist.all_reduce(loss, group=groups.pipe)
-    return loss
 
 # %% ../nbs/05f_schedules.ipynb #d675ac4a
 def check_torch_schedule(name, n_layer, pp, m):  # m: micro-batches per step
@@ -239,8 +257,11 @@ class Chunks(nn.ModuleList):
 
     def step(self, micro, n, groups):  # micro: this pipeline's [(x, y)]; n: the global batch's tokens; pp_groups
         "One step of the schedule: gradients of Σ token losses ÷ n, tied copies summed; this pipeline's loss sum."
-        if self.sched is None: self.sched = torch_schedule(
-            self.name, list(self), len(micro), lambda logits, y: token_loss(logits, y, self.n), groups.pipe)
+        if self.sched is None:  # built once: its stages infer their shapes on the first step
+            device = next(self.parameters()).device
+            stages = [PipelineStage(c, c.stage, c.pp, device, group=groups.pipe) for c in self]
+            def loss_fn(logits, y): return token_loss(logits, y, self.n)  # a share of the global batch's tokens
+            self.sched = TORCH[self.name][0](stages, len(micro), loss_fn=loss_fn, scale_grads=False)
         (x, y), self.n, losses = (torch.cat(t) for t in zip(*micro)), n, []  # the schedule cuts them again
         self.sched.step(*((x,) if self.is_first else ()), **(dict(target=y, losses=losses) if self.is_last else {}))
         sync_tied_chunks(list(self), groups)
@@ -261,16 +282,14 @@ def sched_worker(out_dir, pp, micro_batches=4, hand=HAND, torch_names=(), v=2,
     rank, groups = dist.get_rank(), pp_groups(pp)
     full, x, y, ref_loss, want = _setup(cfg, batch_size, seq_len, seed)
     res = {"pp": pp, "m": micro_batches, "ref_loss": ref_loss, "hand": {}, "torch": {}}
+    mbs, n = split_micro_batches(x, y, micro_batches), (y != -100).sum()
     for api, name in [("hand", s) for s in hand] + [("torch", s) for s in torch_names]:
-        chunks = schedule_chunks(full, rank, pp, name, v)
+        chunks = schedule_chunks(full, rank, pp, name, v) if api == "hand" else Chunks(full, rank, pp, name)
         for _ in range(reps):
             for st in chunks: st.zero_grad()
             dist.barrier()  # start together: the timeline shows the schedule, not the launch
-            if api == "torch":
-                loss, timeline = torch_schedule_step(chunks, x, y, micro_batches, name, groups), []
-            else:
-                mbs = split_micro_batches(x, y, micro_batches)
-                loss, timeline = run_schedule(chunks, mbs, name, groups)
+            if api == "torch": loss, timeline = chunks.step(mbs, n, groups) / n, []  # Chunks: Σ token losses
+            else: loss, timeline = run_schedule(chunks, mbs, name, groups)
         grads = _gather({n: p.grad for st in chunks for n, p in st.named_parameters()})
         events, losses = _gather(timeline), _gather(loss.item())
         if rank == 0:

@@ -4,15 +4,18 @@ import re
 
 import fastcore.test as fc
 import pytest
+import torch
 import torch.distributed as dist
 
 import distcourse.schedules as sch
-from conftest import ROOT, run_worker
+from conftest import PY, ROOT, run_cli, run_worker
+from distcourse.gpt import GPT, GPTConfig
 from distcourse.pipeline import bubble_fraction
 from distcourse.schedules import (HAND, TORCH, actions, check_schedule, chunks_per_rank, in_flight,
-                                  needs, replay_actions, sched_worker)
+                                  needs, replay_actions, sched_worker, stashing, weight_grads)
 
 TOL = 1e-6  # fp32; measured ≤ 1.9e-8 against one process (sums in another order)
+REL = 1e-5  # each gradient tensor against its own norm, and the gradient norm; measured ≤ 3.3e-7
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,7 @@ def assert_equal_to_one_process(res, api, names):
     for name, out in res[api].items():
         assert abs(out["loss"] - res["ref_loss"]) <= TOL, (api, name, out["loss"], res["ref_loss"])
         assert out["grad_diff"] <= TOL, (api, name, out["grad_diff"])
+        assert out["grad_rel"] <= REL and out["norm_diff"] <= REL, (api, name, out["grad_rel"], out["norm_diff"])
         assert out["missing"] == [], (api, name, out["missing"])  # every parameter was compared
 
 
@@ -46,6 +50,74 @@ def test_by_hand_equal_to_one_process(res):
 def test_torch_schedules_equal_to_one_process(res):
     "Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble and DualPipeV, PyTorch's."
     assert_equal_to_one_process(res, "torch", tuple(TORCH))
+
+
+# Zero bubble for real: B gives dx only (SplitLinear stashes (x, dy)), W runs the stashed matmuls. Planted in the
+# launched processes (forks of the interpreter that patches the module): a W that skips one micro-batch's stash,
+# and a W whose stash is not emptied and runs again.
+FAULTS = {
+    "one W skipped": "w, calls = s.weight_grads, []\n"
+                     "def fault(stash):\n    calls.append(1)\n    stash.clear() if len(calls) == 2 else w(stash)\n",
+    "a stash run twice": "w = s.weight_grads\ndef fault(stash):\n    again = list(stash)\n    w(stash)\n    w(again)\n"}
+
+
+def launch_zb(out, pp, m, fault=None):
+    "ZB-H1 and 1F1B by hand on `pp` processes; `fault`: one of FAULTS planted in `weight_grads` first."
+    plant = FAULTS[fault] + "s.weight_grads = fault\n" if fault else ""
+    code = ("import sys\nfrom functools import partial\nimport distcourse.schedules as s\n"
+            "from distcourse.launch import launch\n" + plant +
+            f"launch(partial(s.sched_worker, pp={pp}, micro_batches={m}, hand=('1f1b', 'zb-h1')), (sys.argv[1],), "
+            f"num_processes={pp}, timeout=120)\n")
+    proc = run_cli([PY, "-c", code, str(out)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / f"sched{pp}.json").read_text())
+
+
+@pytest.mark.fast
+def test_zb_h1_p4_equal_to_one_process(tmp_path):
+    "ZB-H1 with B (dx only) and W (the stashed matmuls) on 4 processes, m = 8: every gradient, the norm, the loss."
+    res = launch_zb(tmp_path, 4, 8)
+    assert_equal_to_one_process(res, "hand", ("1f1b", "zb-h1"))
+    held = {name: [max(e["held"] for e in o["timeline"] if e["stage"] == r) for r in range(4)]
+            for name, o in res["hand"].items()}
+    assert held["1f1b"] == sorted(held["1f1b"], reverse=True), held  # 1F1B: p − stage micro-batches
+    assert all(h > 0 for h in held["zb-h1"]) and held["zb-h1"][3] > held["1f1b"][3], held  # W's stash counted
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8)])
+def test_zb_h1_fault_is_caught(tmp_path, fault, pp, m):
+    "The planted fault changes ZB-H1's gradients (1F1B, which has no W, stays equal): the proof can fail."
+    res = launch_zb(tmp_path, pp, m, fault)
+    assert_equal_to_one_process({**res, "hand": {"1f1b": res["hand"]["1f1b"]}}, "hand", ("1f1b",))
+    with pytest.raises(AssertionError): assert_equal_to_one_process(res, "hand", ("1f1b", "zb-h1"))
+    assert res["hand"]["zb-h1"]["grad_rel"] > 1e-2, res["hand"]["zb-h1"]["grad_rel"]
+
+
+def split_vs_whole(fault=None) -> float:
+    "One process, the tiny GPT (tied matrix, layernorms, biases): B then W against one backward, worst tensor."
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=64, n_positions=32, n_layer=2, n_head=4, n_embd=32)
+    whole, split = GPT(cfg), GPT(cfg)
+    split.load_state_dict(whole.state_dict())
+    x = torch.randint(0, 64, (4, 17))
+    whole(x[:, :-1], x[:, 1:])[1].backward()
+    stash = []
+    with stashing(split, stash): loss = split(x[:, :-1], x[:, 1:])[1]
+    loss.backward()  # B: the embeddings' and layernorms' gradients, and dx through every Linear
+    if fault == "one W skipped": stash.pop(0)
+    if fault == "a stash overwritten": stash[0] = (stash[0][0], stash[0][1], torch.zeros_like(stash[0][2]))
+    weight_grads(stash)
+    assert stash == []  # W empties it
+    return max(((p.grad - q.grad).norm() / q.grad.norm()).item()
+               for p, q in zip(split.parameters(), whole.parameters()))
+
+
+@pytest.mark.fast
+def test_split_linear_b_then_w_equals_one_backward():
+    "Every gradient (the tied wte: embedding's part in B, lm_head's in W) equal; each planted fault caught."
+    assert split_vs_whole() <= REL
+    for fault in ("one W skipped", "a stash overwritten"): assert split_vs_whole(fault) > 1e-2, fault
 
 
 @pytest.mark.fast
