@@ -194,9 +194,11 @@ def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
 # %% ../nbs/09c_plan.ipynb #5a1e0c02
 def dp_messages(s: Shape, L: Layout, nbytes) -> list:
     "(collective, bytes, group size, calls) of one step's gradient reduction and ZeRO's gathers, the trainer's."
-    if L.tp * L.pp * L.cp > 1:  # 05k: 03's buckets of 25 MiB over the flattened dp x cp group, none on one rank
-        k = max(1, -(-nbytes // (25 * 2**20)))
-        return [("all_reduce", nbytes / k, L.dp * L.cp, k)] if L.dp * L.cp > 1 else []
+    if L.tp * L.pp * L.cp > 1:  # 05k, over the flattened dp x cp group, none on one rank: a pipeline, 03's buckets
+        # of 25 MiB with the loss sum, after backward; else 03's Reducer (DDP's buckets), then the loss sum alone
+        k = max(1, -(-nbytes // (25 * 2**20))) if L.pp > 1 else 1 + -(-max(0, nbytes - 2**20) // (25 * 2**20))
+        loss = [("all_reduce", 4, L.dp * L.cp, 1)] if L.pp == 1 else []
+        return [("all_reduce", nbytes / k, L.dp * L.cp, k), *loss] if L.dp * L.cp > 1 else []
     ddp, units, m = 1 + -(-max(0, nbytes - 2**20) // (25 * 2**20)), s.n_layer + 1, L.grad_accum  # buckets; FSDP2's
     return [[("all_reduce", nbytes / ddp, L.dp, ddp)],  # DDP: 1 MiB, then 25 MiB buckets
             [("all_reduce", nbytes / ddp, L.dp, ddp), ("all_gather", nbytes / 2, L.dp, 2)],  # + 05a's flat slices

@@ -179,9 +179,10 @@ FAULTS = [
           "cp2 zero2", "FSDP2's default reduction on the mesh: each gradient averaged over dp x cp, not summed"),
     fault("mesh FSDP2: norm of one shard", "mesh", "    if self.fsdp: dist.all_reduce(sq, group=self.g[\"data\"])",
           "    pass", "cp2 zero2", "the gradient norm of this rank's FSDP2 shards only, not summed over dp x cp"),
-    fault("mesh ZeRO-1: gradients left unsummed", "mesh", "summed = [] if self.fsdp else grads",
-          'summed = [] if self.fsdp or type(self.opt).__name__ == "FlatZeroOptimizer" else grads', "cp2 zero1",
-          "ZeRO-1 taken for FSDP2: its flat AdamW steps on each cp rank's own gradients, never summed over dp x cp"),
+    fault("mesh ZeRO-1: gradients left unsummed", "mesh", "if self.reducer: self.reducer.finish()",
+          'if self.reducer and type(self.opt).__name__ != "FlatZeroOptimizer": self.reducer.finish()\n'
+          "    elif self.reducer: self.reducer.works.clear()", "cp2 zero1",
+          "ZeRO-1 taken for FSDP2: the buckets' sums dropped, its flat AdamW steps on each cp rank's own gradients"),
     fault("pipeline FSDP2: tied rows summed in a copy", "pipeline",
           "dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad",
           "dist.all_reduce(grad.full_tensor() if isinstance(grad, DTensor) else grad", "dp2 pp2 zero2",

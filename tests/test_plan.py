@@ -134,6 +134,7 @@ def test_the_planner_counts_the_meshs_gradient_calls(tmp_path):
     buckets = [c for c in calls if c[0] == 4]  # over dp x cp (4 ranks): the gradients and the loss sum, flat
     s, L = plan.Shape("t", 2, 64, 4, 100, 64), plan.Layout(2, cp=2, batch_size=2)
     want = plan.dp_messages(s, L, 4 * plan.rank_params(s, L))
-    assert [(c, n) for c, _, n, _ in want] == [("all_reduce", 4)]
-    assert len(buckets) == sum(k for *_, k in want) == 1
-    assert buckets[0][1] == sum(p.numel() for p in hf.parameters()) + 1  # every gradient, and the loss sum
+    assert [(c, n) for c, _, n, _ in want] == [("all_reduce", 4), ("all_reduce", 4)]
+    assert len(buckets) == sum(k for *_, k in want) == 2
+    # every gradient in one bucket (03's Reducer, launched from backward), then the loss sum
+    assert [n for _, n in buckets] == [sum(p.numel() for p in hf.parameters()), 1]
