@@ -1,5 +1,5 @@
 """The benchmark tables, rendered from a results.json: results.md, and the marked parts of
-RESULTS.md and README.md.
+RESULTS.md and docs/benchmarks.md.
 
     python benchmarks/render.py            # rewrite them from benchmarks/results.json
     python benchmarks/render.py --check    # exit 1, naming the file, if one differs from the render
@@ -263,13 +263,13 @@ def results_section(res: dict) -> str:
 
 
 def target_row(res: dict, metric: str, what: str, detail: str = "") -> str:
-    "A README row for one target: its value (with `detail`), its bar and whether it is met."
+    "A docs/benchmarks.md row for one target: its value (with `detail`), its bar and whether it is met."
     x = value(res, metric)
     return row(f"`{metric}` {what}".strip(), num(x) + detail, bar(metric), yes_no(met(metric, x)))
 
 
 def readme_paths(res: dict) -> list:
-    "The README's rows for the four paths, the main job and the Trainer's defaults."
+    "docs/benchmarks.md's rows for the four paths, the main job and the Trainer's defaults."
     batch, seq = MAIN_JOB_SHAPE
     names = list(res["paths"])
     ratios = [res["paths"][k]["loop_vs_torch"] for k in names]
@@ -303,7 +303,7 @@ def readme_paths(res: dict) -> list:
 
 
 def readme_section(res: dict) -> str:
-    "The README's benchmark table: the targets first, then what else the run measured."
+    "docs/benchmarks.md's benchmark table: the targets first, then what else the run measured."
     c = res["config"]
     shape = f"({c['precision']}, {c['batch_size']} × {c['seq_len']})"
     took = f"{res['wall_s']:.0f} s"
@@ -319,7 +319,7 @@ def readme_section(res: dict) -> str:
     verdict = yes_no(met("loop_vs_hf_trainer", x))
     if verdict == "no":
         verdict += (f": the Trainer itself runs at {res['hf_trainer_vs_torch']:.3f} × a bare "
-                    "loop's speed here ([why](benchmarks/RESULTS.md#targets))")
+                    "loop's speed here ([why](../benchmarks/RESULTS.md#targets))")
     rows.append(row(f"`loop_vs_hf_trainer` {shape}", num(x), bar("loop_vs_hf_trainer"), verdict))
     rows.append(target_row(res, "processes_vs_threads", processes_vs_threads(res)))
     rows += scaling_rows(res)
@@ -363,10 +363,10 @@ def replace_marked(text: str, section: str, name: str) -> str:
 
 def rendered(res: dict, root: Path = ROOT) -> dict:
     "What each generated file under `root` should hold: path -> text."
-    readme, doc = root / "README.md", root / "benchmarks" / "RESULTS.md"
+    readme, doc = root / "docs" / "benchmarks.md", root / "benchmarks" / "RESULTS.md"
     return {root / "benchmarks" / "results.md": table(res),
             doc: replace_marked(doc.read_text(), results_section(res), "benchmarks/RESULTS.md"),
-            readme: replace_marked(readme.read_text(), readme_section(res), "README.md")}
+            readme: replace_marked(readme.read_text(), readme_section(res), "docs/benchmarks.md")}
 
 
 def stale(res: dict, root: Path = ROOT) -> list:
@@ -387,7 +387,7 @@ def main(argv=None):
             sys.exit(f"{', '.join(differ)} differ from what {args.results} renders to: run "
                      "`python benchmarks/render.py` and commit the result (never edit those tables "
                      "by hand)")
-        print("up to date: benchmarks/results.md, benchmarks/RESULTS.md, README.md")
+        print("up to date: benchmarks/results.md, benchmarks/RESULTS.md, docs/benchmarks.md")
         return
     for path, text in rendered(res).items(): path.write_text(text)
     print("rewrote: " + (", ".join(differ) or "nothing (already up to date)"))

@@ -6,7 +6,7 @@
     python benchmarks/run.py --smoke --out DIR  # seconds: what tests/test_benchmarks.py runs
     python benchmarks/run.py --quick --paths  # + fp32/bf16 x eager/compile, and the main job's own tokens/s
 
-Written into benchmarks/ (the default --out), a run also rewrites the README's and RESULTS.md's tables from its
+Written into benchmarks/ (the default --out), a run also rewrites docs/benchmarks.md's and RESULTS.md's tables from its
 results.json (benchmarks/render.py, which holds the targets).
 
 Contenders take turns step by step in one process (warm-up excluded, medians over turns), so a neighbour's
@@ -303,7 +303,7 @@ def main(argv=None):
     (out / "results.md").write_text(table(res))
     print(table(res))
     for k, v in res["paired"].items(): print(summary_line(k, v))
-    if out.resolve() == HERE: render.main([])  # the README's and RESULTS.md's tables follow the new results.json
+    if out.resolve() == HERE: render.main([])  # docs/benchmarks.md's and RESULTS.md's tables follow the new results.json
     return res
 
 

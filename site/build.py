@@ -160,6 +160,9 @@ def main(argv=None):
     modules = sorted(f"distcourse.{f.stem}" for f in (ROOT / "distcourse").glob("[a-z]*.py"))
     for m in modules: (docs / "api" / f"{m}.md").write_text(api_page(m))
     (docs / "index.md").write_text(home(pages))
+    # the pages the home page links to: its figure, docs/*.md and CONTRIBUTING.md
+    shutil.copytree(ROOT / "docs", docs / "docs", ignore=shutil.ignore_patterns("*.py"))
+    shutil.copy(ROOT / "CONTRIBUTING.md", docs / "CONTRIBUTING.md")
     (SRC / "mkdocs.yml").write_text(json.dumps(config(pages, modules), indent=1))  # JSON is YAML
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(SRC / "mkdocs.yml")],
                    cwd=SRC, check=True)  # mkdocs-jupyter caches its conversions in the working directory

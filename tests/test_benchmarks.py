@@ -1,6 +1,6 @@
 """`benchmarks/run.py` runs end to end in its smallest form and writes every field; its speeds are not tested
-(performance is reported as ratios in benchmarks/RESULTS.md, never asserted by a test). The README's benchmark
-table, RESULTS.md's and results.md are what the committed results.json renders to (`benchmarks/render.py`)."""
+(performance is reported as ratios in benchmarks/RESULTS.md, never asserted by a test). The benchmark table of
+docs/benchmarks.md, RESULTS.md's and results.md are what the committed results.json renders to (`benchmarks/render.py`)."""
 import importlib.util
 import json
 import math
@@ -22,7 +22,7 @@ _spec = importlib.util.spec_from_file_location("pairing", ROOT / "benchmarks" / 
 pairing = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pairing)
 RESULTS = json.loads((ROOT / "benchmarks" / "results.json").read_text())
-GENERATED = ("README.md", "benchmarks/RESULTS.md", "benchmarks/results.md")
+GENERATED = ("docs/benchmarks.md", "benchmarks/RESULTS.md", "benchmarks/results.md")
 
 RUN = [PY, str(ROOT / "benchmarks" / "run.py"), "--smoke"]
 CONTENDERS = {"torch", "distcourse", "hf_trainer"}
@@ -268,10 +268,10 @@ def test_bad_precision_says_what_to_pass(tmp_path):
 
 # ------------------------------------------------------------------ tables rendered from results.json
 def test_committed_tables_are_rendered_from_results_json():
-    "README.md's table, RESULTS.md's and results.md equal what the committed results.json renders to."
+    "docs/benchmarks.md's table, RESULTS.md's and results.md equal what the committed results.json renders to."
     proc = run_cli([PY, str(ROOT / "benchmarks" / "render.py"), "--check"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs/benchmarks.md").read_text()
     assert f"| `loop_vs_torch` (fp32, 8 × 128) | {RESULTS['loop_vs_torch']:.3f} |" in readme
 
 
@@ -281,11 +281,11 @@ def test_a_table_edited_by_hand_is_caught(tmp_path):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     assert render.stale(RESULTS, tmp_path) == []
-    readme = tmp_path / "README.md"
+    readme = tmp_path / "docs/benchmarks.md"
     shown = f"| {RESULTS['processes_vs_threads']:.3f} |"
     readme.write_text(readme.read_text().replace(shown, "| 1.234 |"))
     assert render.stale(RESULTS, tmp_path) == [readme]
-    shutil.copy(ROOT / "README.md", readme)
+    shutil.copy(ROOT / "docs/benchmarks.md", readme)
     slower = RESULTS | {"loop_vs_torch": 0.5}  # a run that misses the target: "met" follows
     assert set(render.stale(slower, tmp_path)) == {tmp_path / name for name in GENERATED}
     assert "| `loop_vs_torch` (fp32, 8 × 128) | 0.500 | >= 0.97 | no |" in render.readme_section(slower)
@@ -303,7 +303,7 @@ def test_met_follows_the_stored_targets():
 
 def test_markers_missing_say_what_to_do():
     with pytest.raises(ValueError, match="results:begin"):
-        render.replace_marked("a table without its markers", "x", "README.md")
+        render.replace_marked("a table without its markers", "x", "docs/benchmarks.md")
 
 
 @pytest.mark.fast
