@@ -1,6 +1,7 @@
-"""The command lines people expect (lessons 09 and 01): --help in sections with each fixed set of choices, a
+"""The command lines people expect (lessons 09, 01 and 09c): --help in sections with each fixed set of choices, a
 boolean flag alone means true, a typo of a flag, a preset or a choice names the nearest one, an unknown bare model name
-is refused before any Hub call, --print_config prints YAML that --config reads back."""
+is refused before any Hub call, --print_config prints YAML that --config reads back, and the planner's table speaks
+milliseconds and MiB per rank, its ties ordered by what it prints."""
 import re
 import time
 from dataclasses import asdict, fields
@@ -10,6 +11,7 @@ import transformers
 import yaml
 
 import distcourse.config as config
+import distcourse.plan as plan
 from conftest import PY, run_cli
 from distcourse.config import Config, ConfigError, parse_args
 from distcourse.model import build_model
@@ -129,3 +131,22 @@ def test_print_config_is_a_config_file(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--seq_len 4096 exceeds"):  # a bad configuration is refused, not printed
         parse_args([*argv, "--seq_len", "4096", "--print_config"])
 
+
+def test_plan_help_and_table(capsys):
+    "One help line per flag; times in ms (no e-notation); rows of equal printed time by the smaller MiB/rank."
+    with pytest.raises(SystemExit): plan.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("model", "n_layer", "world", "global_batch", "seq_len", "profile", "top"):
+        line = re.search(rf"--{flag}\b[^\n]*\n?[^\n-]*", text).group(0)
+        assert "(default: " in text and not re.fullmatch(r"--\w+ \S+\s+default \S+\s*", line), line
+    assert "{tiny,small,base,tiny-moe,small-moe}" in text
+    rows = plan.main(["--model", "tiny", "--profile", "h100-node", "--world", "8", "--top", "12"])
+    out = capsys.readouterr().out
+    assert "step ms" in out and "MiB/rank" in out and "equal step times: the smaller MiB/rank" in out
+    table = [l.split() for l in out.splitlines() if re.match(r"\s+\d+ dp\d", l)]
+    assert len(table) == 12 and not any("e-" in l or "e+" in l for l in out.splitlines() if re.match(r"\s+\d", l))
+    mib, ms = [float(w[-5].replace(",", "")) for w in table], [float(w[-4].replace(",", "")) for w in table]
+    assert ms == sorted(ms) and ms[0] == float(f"{rows[0]['step_s'] * 1e3:.4g}")
+    for i in range(1, len(ms)):
+        if ms[i] == ms[i - 1]: assert mib[i] >= mib[i - 1], (table[i - 1], table[i])
+    assert any(ms[i] == ms[i - 1] for i in range(1, len(ms)))  # a tie to order is in this table
