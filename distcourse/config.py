@@ -11,7 +11,8 @@ import argparse
 import difflib
 import math
 import os
-from dataclasses import dataclass, fields
+import sys
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +28,7 @@ from .layout import CP_IMPLS, DEGREES, PP_SCHEDULES, ParallelDims, check, check_
 from .memory import STAGES
 from .model import PRESETS
 from .profiling import step_range
-from .tracking import resolve_tracker
+from .tracking import TRACKERS, resolve_tracker
 
 # %% ../nbs/09_config.ipynb #fedfc7ff
 TASKS, PRECISIONS, COMPILES = ("clm", "mlm", "cls"), ("auto", "no", "bf16", "fp16"), ("auto", "true", "false")
@@ -37,8 +38,7 @@ COMPILE_MIN_STEPS = 300  # measured on 2 CPU cores: compiling costs 18-31 s and 
 class Config:
     "One training run; YAML keys and CLI flags have these names."
     task: str = "clm"            # clm (causal LM), mlm (masked LM) or cls (sequence classification)
-    # a preset (tiny, small, base; tiny-moe, small-moe: lesson 05m), a local directory or a Hub id
-    model: str = "small"
+    model: str = "small"         # a preset (tiny, small, base, tiny-moe, small-moe), a directory or a Hub id owner/name
     n_layer: int = 0             # a preset's depth instead of its own (0: the preset's); e.g. --model tiny --n_layer 8
     dataset: str = "stdlib"      # stdlib, a local .txt/.json/.jsonl/.csv file or a Hub dataset id
     tokenizer: str = "stdlib"    # stdlib (BPE trained on the corpus), a local directory or a Hub id
@@ -58,21 +58,15 @@ class Config:
     grads_at: int = 0            # grads_step<N>.pt: step N's full gradients, pre-clip; 0: none
     seed: int = 0                # initial weights, data split and order
     mixed_precision: str = "auto"  # auto (bf16 where the device computes in bf16 natively, else no), no, bf16, fp16
-    # auto (torch.compile for 300+ steps of a causal LM with DDP: it pays after ~250), true, false
-    compile: str = "auto"
+    compile: str = "auto"        # auto (compile a DDP causal LM of 300+ steps: pays after ~250), true, false
     zero_stage: int = 0          # 0 DDP; 1 optimizer state, 2 + gradients, 3 + parameters sharded across processes
-    # recompute each block's activations in backward: less memory, ~1/3 more compute
-    activation_checkpointing: bool = False
-    # tensor-parallel degree, also with --cp or --pp (GPT-2, clm); dp = processes / (tp·cp·pp)
-    tp: int = 1
-    # context-parallel degree, also with --tp and --pp (seq_len a multiple of 2·cp; ulysses: of cp)
-    cp: int = 1
-    # cp's attention: ring (05h's lean ring, any cp) or ulysses (05i; n_head/tp a multiple of cp)
-    cp_impl: str = "ring"
+    activation_checkpointing: bool = False  # recompute activations in backward: less memory, ~1/3 more compute
+    tp: int = 1                  # tensor-parallel degree (GPT-2, clm; with cp, pp too); dp = processes / (tp·cp·pp)
+    cp: int = 1                  # context-parallel degree (seq_len a multiple of 2·cp; ulysses: of cp)
+    cp_impl: str = "ring"        # cp's attention: ring (05h, any cp) or ulysses (05i; n_head/tp a multiple of cp)
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
     pp_schedule: str = "1f1b"    # gpipe, 1f1b (grad_accum >= pp); PyTorch's interleaved, zb, zbv, dualpipev
-    # expert-parallel degree (--model tiny-moe|small-moe): each rank 1/ep of the experts; dp = processes
-    ep: int = 1
+    ep: int = 1                  # expert-parallel degree (tiny-moe, small-moe): 1/ep of the experts per rank
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
@@ -81,37 +75,40 @@ class Config:
     max_examples: int = 0        # use only N examples before splitting (quick runs); 0: all
     text_column: str = "text"    # the text column of a local or Hub dataset
     label_column: str = "label"  # the label column (cls)
-    @property
-    def mesh(self) -> bool: return self.tp * self.cp * self.pp > 1 or self.model in MOE_PRESETS  # 05k's or 05m's step
+    mesh = property(lambda self: self.tp * self.cp * self.pp > 1 or self.model in MOE_PRESETS)  # 05k's or 05m's step
 
 # What a checkpoint must agree on with the run that resumes it (and the global batch, however it is split): the data,
 # the model, what shapes the updates (the schedule too); not the layout, which 05ja's `check_resume` checks (but ep).
-FINGERPRINT = ("task", "model", "n_layer", "dataset", "tokenizer", "seq_len", "seed", "ep",
-               "max_examples", "text_column", "label_column",
-               "lr", "weight_decay", "warmup_steps", "max_steps", "max_grad_norm")
+FINGERPRINT = ("task", "model", "n_layer", "dataset", "tokenizer", "seq_len", "seed", "ep", "max_examples",
+               "text_column", "label_column", "lr", "weight_decay", "warmup_steps", "max_steps", "max_grad_norm")
 SCHEDULE = ("lr", "warmup_steps", "max_steps")  # warmup, then cosine decay to 0 at max_steps
 
 # %% ../nbs/09_config.ipynb #c9d625f1
 class ConfigError(ValueError):
     "A bad configuration; the message names the flag and what to do."
 
-def _check_source(flag, value, local):
-    "A name in `local`, an existing path, or (online only) a Hub id."
-    if value in local or Path(value).exists() or not hub_offline(): return
-    raise ConfigError(f"--{flag} {value!r}: not one of {', '.join(local)} and not an existing path, "
-                      f"and the Hub is offline (HF_HUB_OFFLINE=1); pass one of {', '.join(local)} or a local path")
+def _near(x, names) -> str:
+    "' (did you mean y?)' for the one of `names` nearest to `x` (a typo), else ''."
+    return "".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(str(x), [str(n) for n in names], 1))
+
+def _check_source(flag, value, local, hub=""):
+    "A name in `local`, an existing path or (online) a Hub id with `hub` in it; a near miss of a name is a typo."
+    if value in local or Path(value).exists(): return
+    near, names = _near(value, local), ", ".join(local)
+    if hub in value and not near and not hub_offline(): return  # a Hub id: from_pretrained will say
+    tail = ", and the Hub is offline (HF_HUB_OFFLINE=1)" if hub_offline() else ", nor a Hub id (owner/name)"
+    raise ConfigError(f"--{flag} {value!r}{near}: not one of {names} and not an existing path{'' if near else tail}; "
+                      "pass one of these or a local path")  # a bare name online: refused here, not by the Hub's retries
 
 def _positions(model):
     "How many positions a preset, local or Hub model has (None when it does not say)."
     if p := PRESETS.get(model) or MOE_PRESETS.get(model): return p.get("n_positions")
     try: c = AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as e:  # ValueError: a config.json that names no model type
-        raise ConfigError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) and from_pretrained "
-                          f"failed ({str(e).splitlines()[0]}); pass a preset or a directory saved with "
-                          "save_pretrained (a run's model/)") from None
+        raise ConfigError(f"--model {model!r}: not a preset and from_pretrained failed ({str(e).splitlines()[0]}); "
+                          "pass a preset or a directory saved with save_pretrained (a run's model/)") from None
     return getattr(c, "n_positions", None) or getattr(c, "max_position_embeddings", None)
 
-# %% ../nbs/09_config.ipynb #f20d8f39
 def _check_layout_change(path, state, cfg):
     "`path` if this run's layout reads the checkpoint's model and AdamW (05ja's `check_resume`), else a ConfigError."
     if cfg.model in MOE_PRESETS or not state.get("config"): return path  # 05m's experts: ep is in the fingerprint
@@ -161,50 +158,43 @@ def _check_global_batch(path, state, cfg):
                       f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
-def _dropout(model) -> float:  # a preset's (None: GPT-2's default); 0 for other models (the mesh refuses them)
-    p = (PRESETS.get(model) or MOE_PRESETS.get(model) or {}).get("dropout", 0.0)
-    return AutoConfig.for_model("gpt2").resid_pdrop if p is None else p
-
 def _sizes(cfg):
     "What the layout's checks read of the model (n_layer, n_head, n_embd, n_expert): a preset's, else None."
-    if cfg.model in MOE_PRESETS: return SimpleNamespace(**MOE_PRESETS[cfg.model])
-    if cfg.model not in PRESETS: return None
-    return SimpleNamespace(**{**PRESETS[cfg.model], "n_layer": cfg.n_layer or PRESETS[cfg.model]["n_layer"]})
+    p = MOE_PRESETS.get(cfg.model) or PRESETS.get(cfg.model)  # validate allows n_layer on PRESETS' only
+    return p and SimpleNamespace(**{**p, "n_layer": cfg.n_layer or p["n_layer"]})
 
 def _check_layout(cfg):
     "The degrees and what the trainer composes: 05ja's `check`, the one place its rules live, before any process."
-    for k, names in (("pp_schedule", PP_SCHEDULES), ("cp_impl", CP_IMPLS)):
-        if getattr(cfg, k) not in names:
-            raise ConfigError(f"--{k} {getattr(cfg, k)!r}: choose one of {', '.join(names)}")
     kw = {f.name: getattr(cfg, f.name) for f in fields(ParallelDims) if f.name != "world"}
     d = ParallelDims(int(os.getenv("WORLD_SIZE", "1")), **kw)  # WORLD_SIZE: set by every launcher
-    try: check(d, _sizes(cfg), cfg.seq_len, cfg.grad_accum, cfg.model, cfg.task, _dropout(cfg.model))
+    p = (PRESETS.get(cfg.model) or MOE_PRESETS.get(cfg.model) or {}).get("dropout", 0.0)  # 0: not a preset (refused)
+    dropout = AutoConfig.for_model("gpt2").resid_pdrop if p is None else p  # a preset's None: GPT-2's default
+    try: check(d, _sizes(cfg), cfg.seq_len, cfg.grad_accum, cfg.model, cfg.task, dropout)
     except ValueError as e:
         msg = str(e).replace("cp_impl=", "--cp_impl ")
         if msg.startswith("--"): raise ConfigError(msg) from None  # a composition rule names its own flags
         pipeline = " (the pipeline's micro-batches are --grad_accum's)" if "micro_batches" in msg else ""
-        flags = d.flags(*DEGREES)
-        raise ConfigError(f"{flags + ': ' if flags else ''}{msg}{pipeline}") from None
+        raise ConfigError(": ".join(filter(None, (d.flags(*DEGREES), msg + pipeline)))) from None
+
+_CHOICES = dict(task=TASKS, mixed_precision=PRECISIONS, compile=COMPILES, zero_stage=STAGES, cp_impl=CP_IMPLS,
+                pp_schedule=PP_SCHEDULES, tracker=TRACKERS)  # the flags of a fixed set: --help shows it
 
 def validate(cfg: Config) -> Config:
     "Raise `ConfigError` for anything wrong with `cfg` that can be seen before training starts."
     def need(ok, msg):
         if not ok: raise ConfigError(msg)
-    need(cfg.task in TASKS, f"--task {cfg.task!r}: choose one of {', '.join(TASKS)}")
-    need(cfg.mixed_precision in PRECISIONS,
-         f"--mixed_precision {cfg.mixed_precision!r}: choose one of {', '.join(PRECISIONS)}")
-    need(cfg.compile in COMPILES, f"--compile {cfg.compile!r}: choose one of {', '.join(COMPILES)}")
     need(cfg.mixed_precision != "fp16" or torch.cuda.is_available(),
          "--mixed_precision fp16 needs a CUDA GPU (on CPU Accelerate silently runs fp32); use bf16 or no")
-    need(cfg.zero_stage in STAGES, f"--zero_stage {cfg.zero_stage}: choose 0 (DDP), 1 (optimizer state sharded), "
-         "2 (+ gradients) or 3 (+ parameters)")
+    for k, names in _CHOICES.items():  # a flag's value and a YAML file's alike
+        v = getattr(cfg, k)
+        need(v in names, f"--{k} {v!r}{_near(v, names)}: choose one of {', '.join(map(str, names))}")
     for k in ("batch_size", "grad_accum", "max_steps", "seq_len", "log_every", "keep_checkpoints"):
         need(getattr(cfg, k) >= 1, f"--{k} {getattr(cfg, k)}: must be at least 1")
     for k in ("warmup_steps", "eval_every", "save_every", "max_examples", "n_layer"):
         need(getattr(cfg, k) >= 0, f"--{k} {getattr(cfg, k)}: must be 0 or more")
     need(cfg.lr > 0 and math.isfinite(cfg.lr), f"--lr {cfg.lr}: must be a positive number, e.g. 1e-3")
     need(cfg.max_grad_norm > 0, f"--max_grad_norm {cfg.max_grad_norm}: must be positive")
-    _check_source("model", cfg.model, (*PRESETS, *MOE_PRESETS))
+    _check_source("model", cfg.model, (*PRESETS, *MOE_PRESETS), hub="/")
     need(not cfg.n_layer or cfg.model in PRESETS, f"--n_layer {cfg.n_layer}: only a preset's depth can change; "
          f"pass --model one of {', '.join(PRESETS)}, or --n_layer 0")
     _check_source("tokenizer", cfg.tokenizer, ("stdlib", "stdlib-source"))
@@ -229,33 +219,34 @@ def validate(cfg: Config) -> Config:
 
 # %% ../nbs/09_config.ipynb #2e0613cc
 _HELP = "python -m distcourse.train --help lists every flag and its type"
+_GROUPS = {"data": "task dataset tokenizer seq_len max_examples text_column label_column", "model": "model n_layer",
+           "optimisation": "batch_size grad_accum lr weight_decay warmup_steps max_steps max_grad_norm",
+           "parallelism": "zero_stage tp cp cp_impl pp pp_schedule ep activation_checkpointing mixed_precision compile",
+           "checkpoints": "output_dir resume overwrite save_every keep_checkpoints push_to_hub",
+           "tracking": "tracker log_every eval_every profile_steps grads_at", "run": "seed"}  # --help's sections
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ConfigError(message.replace("unrecognized arguments", "unknown flag") + f"; {_HELP}")
+    def error(self, message): raise ConfigError(f"{message}; {_HELP}")
 
-def _to_bool(v):
-    if isinstance(v, bool): return v
-    if str(v).lower() in ("1", "true", "yes", "on"): return True
-    if str(v).lower() in ("0", "false", "no", "off"): return False
-    raise ValueError(v)
-_to_bool.__name__ = "bool"
+def _to_bool(v):  # 1/true/yes/on, 0/false/no/off (any case) or a YAML boolean; nothing else
+    if (b := {"1": 1, "true": 1, "yes": 1, "on": 1, "0": 0, "false": 0, "no": 0, "off": 0}.get(str(v).lower())) is None:
+        raise ValueError(v)
+    return bool(b)
 
 def _to_int(v):
     "An int from a flag's text or a YAML number; 1.5 (or true) is refused, not cut to 1."
     if isinstance(v, bool) or isinstance(v, float) and not v.is_integer(): raise ValueError(v)
     return int(v)
-_to_int.__name__ = "int"
+_to_bool.__name__, _to_int.__name__ = "bool", "int"  # argparse's "invalid bool value", YAML's "not a valid int"
 
 def _converter(f):
     "The function that turns a flag's text (or a YAML value) into field `f`'s type."
     name = getattr(f.type, "__name__", f.type)  # a class, or its name where annotations are strings
     return {"bool": _to_bool, "int": _to_int, "float": float, "str": str}.get(name, f.type)
 
-def _read_yaml(path) -> dict:
+def _read_yaml(path, known) -> dict:  # known: the fields by name
     "The flags a YAML file sets, converted to their types; a ConfigError names the line or key to fix."
-    if not path.is_file(): raise ConfigError(f"--config {path}: no such file; pass the path of a YAML "
-                                             "file such as configs/tiny.yaml")
+    if not path.is_file(): raise ConfigError(f"--config {path}: no such file; pass a YAML file, e.g. configs/tiny.yaml")
     try: values = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None) or "unreadable"
@@ -266,35 +257,44 @@ def _read_yaml(path) -> dict:
     if not isinstance(values, dict): raise ConfigError(
         f"--config {path}: holds {values!r} ({type(values).__name__}), not a mapping of flags to values; "
         "write one `flag: value` per line, e.g. `model: tiny`")
-    known = {f.name: f for f in fields(Config)}
     if bad := sorted(str(k) for k in values if k not in known):
-        close = difflib.get_close_matches(bad[0], known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"--config {path}: unknown keys {bad}{hint}; the keys are the flags: "
-                          f"{_HELP}")
+        raise ConfigError(f"--config {path}: unknown keys {bad}{_near(bad[0], known)}; the keys are the flags: {_HELP}")
     out = {}
     for k, v in values.items():
-        conv, example = _converter(known[k]), f"write e.g. `{k}: {known[k].default}`"
-        where = f"--config {path}: {k}"
+        conv, where, example = _converter(known[k]), f"--config {path}: {k}", f"write e.g. `{k}: {known[k].default}`"
         if v is None: raise ConfigError(f"{where} has no value; {example} or delete the line")
         if conv is str and isinstance(v, bool): raise ConfigError(  # YAML 1.1: no, off -> False
-            f"{where}: YAML reads an unquoted {v} (no, off, yes...) as a boolean; quote it, "
-            f"e.g. `{k}: 'no'`")
+            f"{where}: YAML reads an unquoted {v} (no, off, yes...) as a boolean; quote it, e.g. `{k}: 'no'`")
         try: out[k] = conv(v)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: {v!r} is not a valid {conv.__name__}; {example}") from None
     return out
 
 def parse_args(argv=None) -> Config:
-    "A validated `Config` from `--config FILE` (YAML) and `--flag value` overrides."
-    p = _Parser(prog="python -m distcourse.train", allow_abbrev=False,
-                description="Train a transformer LM on one or many processes (see nbs/09a_train.ipynb).")
-    p.add_argument("--config", default=argparse.SUPPRESS, help="YAML file whose keys are these flags")
-    docs = docments(Config)  # the comment after (or above) each field is its --help text
-    for f in fields(Config):
-        p.add_argument(f"--{f.name}", type=_converter(f), default=argparse.SUPPRESS,
-                       metavar=_converter(f).__name__.upper(),
-                       help=f"{docs.get(f.name) or ''} (default: {f.default!r})")
-    args = vars(p.parse_args(argv))
-    values = _read_yaml(Path(args.pop("config"))) if "config" in args else {}
-    return validate(Config(**{**values, **args}))
+    "A validated `Config` from `--config FILE` (YAML) and `--flag value` overrides; --print_config shows it, exits."
+    p = _Parser(prog="python -m distcourse.train", allow_abbrev=False, usage="%(prog)s [--config FILE] [--flag VALUE "
+                "...]", description="Train a transformer LM on one or many processes (nbs/09a_train.ipynb). "
+                "A boolean flag alone is true (--overwrite), or takes true/false.")
+    docs, known = docments(Config), {f.name: f for f in fields(Config)}  # a field's comment: its --help
+    for group, names in _GROUPS.items():
+        g = p.add_argument_group(group)
+        for f in (known[k] for k in names.split()):
+            conv, bare = _converter(f), {"nargs": "?", "const": True} if _converter(f) is _to_bool else {}
+            g.add_argument(f"--{f.name}", type=conv, default=argparse.SUPPRESS, **bare, help=f"{docs[f.name]} "
+                           f"(default: {f.default!r})", metavar="{%s}" % ",".join(map(str, _CHOICES[f.name]))
+                           if f.name in _CHOICES else conv.__name__.upper())
+    g.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="a YAML file of these flags (flags win)")
+    g.add_argument("--print_config", action="store_true", help="print the configuration as YAML, and exit")
+    args, rest = p.parse_known_args(argv)
+    flags = [f"--{k}" for k in [*known, "config"]]  # --batch-size: did you mean --batch_size?
+    if rest: raise ConfigError(f"unknown flag: {' '.join(rest)}" + "".join(
+        _near(a.split("=")[0], flags) for a in rest if a.startswith("-")) + f"; {_HELP}")
+    args = vars(args)
+    show = args.pop("print_config")
+    values = _read_yaml(Path(args.pop("config")), known) if "config" in args else {}
+    cfg = validate(Config(**{**values, **args}))
+    if show:  # what would run, as YAML that --config reads back
+        print(yaml.safe_dump(asdict(cfg), sort_keys=False), end="")
+        sys.exit(0)
+    return cfg
+

@@ -90,6 +90,8 @@ def _from_pretrained(name, task, num_labels) -> PreTrainedModel:
     if hub_offline():
         raise ValueError(f"{what}, and the Hub is offline (HF_HUB_OFFLINE=1); {advice}, or unset HF_HUB_OFFLINE "
                          "on a machine with a network to download it")
+    if "/" not in str(name):  # a typo or a legacy id (gpt2): refused now, not after the Hub's retries
+        raise ValueError(f"{what}, nor a Hub id (owner/name, e.g. openai-community/gpt2); {advice}")
     try: return _AUTO[task].from_pretrained(str(name), **kw)
     except (OSError, ValueError) as e:  # no such repo, no network, no weights for this task
         raise ValueError(f"{what}, and from_pretrained failed ({str(e).splitlines()[0]}); {advice}, "

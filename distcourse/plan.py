@@ -194,12 +194,10 @@ def predict(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
 # %% ../nbs/09c_plan.ipynb #5a1e0c02
 def dp_messages(s: Shape, L: Layout, nbytes) -> list:
     "(collective, bytes, group size, calls) of one step's gradient reduction and ZeRO's gathers, the trainer's."
-    if L.tp * L.pp * L.cp > 1:  # 05k, over the flattened dp x cp group, none on one rank: a pipeline, 03's buckets
-        # of 25 MiB with the loss sum, after backward; else 03's Reducer (DDP's buckets), then the loss sum alone
-        k = max(1, -(-nbytes // (25 * 2**20))) if L.pp > 1 else 1 + -(-max(0, nbytes - 2**20) // (25 * 2**20))
-        loss = [("all_reduce", 4, L.dp * L.cp, 1)] if L.pp == 1 else []
-        return [("all_reduce", nbytes / k, L.dp * L.cp, k), *loss] if L.dp * L.cp > 1 else []
     ddp, units, m = 1 + -(-max(0, nbytes - 2**20) // (25 * 2**20)), s.n_layer + 1, L.grad_accum  # buckets; FSDP2's
+    if L.tp * L.pp * L.cp > 1:  # 05k, dp x cp: pp's 25 MiB buckets + loss after backward, else 03's Reducer; loss
+        k, loss = (max(1, -(-nbytes // (25 * 2**20))), []) if L.pp > 1 else (ddp, [("all_reduce", 4, L.dp * L.cp, 1)])
+        return [("all_reduce", nbytes / k, L.dp * L.cp, k), *loss] if L.dp * L.cp > 1 else []
     return [[("all_reduce", nbytes / ddp, L.dp, ddp)],  # DDP: 1 MiB, then 25 MiB buckets
             [("all_reduce", nbytes / ddp, L.dp, ddp), ("all_gather", nbytes / 2, L.dp, 2)],  # + 05a's flat slices
             [("all_gather", nbytes / units, L.dp, units), ("reduce_scatter", nbytes / units, L.dp, units * m)],
@@ -256,15 +254,14 @@ def layouts(s: Shape, world, global_batch, seq_len, p: Profile,
         L.world if p.shared else 1) <= p.mem_bytes  # on a shared machine all ranks fit its memory together
     return [L for L in out if fits(L) and not (course and trainer_accepts(L, model, seq_len, n_layer))]
 def plan(s: Shape, world, global_batch, seq_len, p: Profile, **kw) -> list:
-    "predict() for every feasible layout, fastest first, the smaller peak first among equals (`kw`: layouts' options)."
+    "predict() of each feasible layout (`kw`: layouts' options), fastest (to 4 digits, as printed), smaller peak first."
     return sorted((predict(s, L, seq_len, p) for L in layouts(s, world, global_batch, seq_len, p, **kw)),
-                  key=lambda r: (r["step_s"], r["memory"]["total"]))
+                  key=lambda r: (float(f"{r['step_s']:.4g}"), r["memory"]["total"], str(r["layout"])))  # then the name
 
 # %% ../nbs/09c_plan.ipynb #218baa77
 def flags(L: Layout, model=None, seq_len=None, n_layer=0, dtype="fp32") -> list:
     "The trainer's flags for `L` (defaults left out), after --model, --n_layer and --seq_len when given."
-    out = {"model": model, "n_layer": n_layer, "seq_len": seq_len,
-           "mixed_precision": "no" if dtype == "fp32" else "bf16"}
+    out = {"model": model, "n_layer": n_layer, "seq_len": seq_len, "mixed_precision": {"fp32": "no"}.get(dtype, "bf16")}
     keep = {"pp_schedule": L.pp > 1, "cp_impl": L.cp > 1, "batch_size": True, "grad_accum": True, "dp": False}
     out |= {f.name: getattr(L, f.name) for f in fields(Layout) if keep.get(f.name, getattr(L, f.name) != f.default)}
     return [s for k, v in out.items() if v for s in (f"--{k}", str(v).lower())]
@@ -276,20 +273,25 @@ def trainer_accepts(L: Layout, model, seq_len, n_layer=0) -> str | None:
         except ConfigError as e: return str(e)  # else None: accepted
 def main(argv=None):
     "python -m distcourse.plan: the ranked layouts of a model on a machine, and the command of the best."
-    ap = argparse.ArgumentParser(prog="python -m distcourse.plan", description=main.__doc__ + " --model: a "
-                                 "preset; --profile: measured, h100-node, a100-node or a Profile's JSON file")
-    for k, v in dict(model="small", n_layer=0, world=4, global_batch=16, seq_len=128, profile="measured",
-                     top=10).items(): ap.add_argument(f"--{k}", type=type(v), default=v, help=f"default {v}")
+    ap = argparse.ArgumentParser(prog="python -m distcourse.plan", description=main.__doc__)
+    for k, v, what in (("model", "small", "a preset"), ("n_layer", 0, "a depth instead of the preset's (0: its own)"),
+                       ("world", 4, "processes (GPUs)"), ("global_batch", 16, "sequences per step, all ranks'"),
+                       ("seq_len", 128, "tokens per sequence"), ("top", 10, "how many of the ranked layouts to print"),
+                       ("profile", "measured", "measured (here, 09b), h100-node, a100-node or a Profile's JSON")):
+        ap.add_argument(f"--{k}", type=type(v), default=v, help=f"{what} (default: {v})",
+                        choices=[*PRESETS, *MOE_PRESETS] if k == "model" else None)
     a = ap.parse_args(argv)
     try: s, p = shape_of(a.model, a.n_layer), load_profile(a.profile)
     except ValueError as e: ap.error(str(e))
     rows = plan(s, a.world, a.global_batch, a.seq_len, p, model=a.model, n_layer=a.n_layer)
     if not rows: ap.error(f"no layout of {a.model} on {a.world} processes fits {p.name} and the trainer's checks")
     print(f"{a.model} ({n_params(s)['total']:,} parameters), {a.world} x {p.name}, global batch {a.global_batch} x "
-          f"{a.seq_len} tokens: {len(rows)} feasible layouts\n{'#':>3} {'layout':<34} {'GiB/rank':>9} {'step s':>9} "
-          f"{'MFU':>6} {'tokens/s':>11}  dominant")
+          f"{a.seq_len} tokens: {len(rows)} feasible layouts\nfastest first; equal step times: the smaller MiB/rank "
+          f"(the fullest rank's peak) first\n{'#':>3} {'layout':<34} {'MiB/rank':>10} {'step ms':>10} {'MFU':>6} "
+          f"{'tokens/s':>11}  dominant")
     for i, r in enumerate(rows[:a.top], 1):
-        print(f"{i:>3} {str(r['layout']):<34} {r['memory']['total'] / 2**30:>9.2f} {r['step_s']:>9.4g} "
+        ms = float(f"{r['step_s'] * 1e3:.4g}")  # 4 significant digits, as plan() ranks them: 0.04205, not 4.205e-05 s
+        print(f"{i:>3} {str(r['layout']):<34} {r['memory']['total'] / 2**20:>10,.1f} {ms:>10,} "
               f"{r['mfu']:>6.1%} {r['tokens_s']:>11,.0f}  {r['dominant']}")
     print("\nthe best:\naccelerate launch --multi_gpu --num_processes", rows[0]["layout"].world, "-m distcourse.train",
           *flags(rows[0]["layout"], a.model, a.seq_len, a.n_layer, p.dtype), "--output_dir runs/plan")

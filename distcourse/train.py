@@ -289,7 +289,7 @@ def next_run(argv) -> list: # the command line's flags
         return argv  # a directory named (a run there is refused, continued or replaced), or the default is free
     new = next(p for n in itertools.count(2) if not _holds_run(p := Path(f"{base}-{n}")))
     if os.getenv("RANK", "0") == "0":
-        print(f"{base} holds an earlier run, so this one writes to {new} (--output_dir chooses; --overwrite true "
+        print(f"{base} holds an earlier run, so this one writes to {new} (--output_dir chooses; --overwrite "
               f"replaces {base})", flush=True)
     return [*argv, "--output_dir", str(new)]
 

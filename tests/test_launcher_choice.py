@@ -136,7 +136,7 @@ def test_a_second_run_goes_to_a_new_directory(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     said = second.stdout.splitlines()[0]
     assert said == ("runs/default holds an earlier run, so this one writes to runs/default-2 (--output_dir chooses; "
-                    "--overwrite true replaces runs/default)"), said
+                    "--overwrite replaces runs/default)"), said
     assert (tmp_path / "runs/default-2/run.json").is_file() and (tmp_path / "runs/default/run.json").read_text() == "{}"
     named = run_cli([*cmd, "--output_dir", "runs/default"], cwd=tmp_path, timeout=300)  # named: refused as before
     assert named.returncode == 2 and "already holds a run" in named.stderr

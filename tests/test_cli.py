@@ -1,0 +1,152 @@
+"""The command lines people expect (lessons 09, 01 and 09c): --help in sections with each fixed set of choices, a
+boolean flag alone means true, a typo of a flag, a preset or a choice names the nearest one, an unknown bare model name
+is refused before any Hub call, --print_config prints YAML that --config reads back, and the planner's table speaks
+milliseconds and MiB per rank, its ties ordered by what it prints."""
+import re
+import time
+from dataclasses import asdict, fields
+
+import pytest
+import transformers
+import yaml
+
+import distcourse.config as config
+import distcourse.plan as plan
+from conftest import PY, run_cli
+from distcourse.config import Config, ConfigError, parse_args
+from distcourse.model import build_model
+
+pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
+
+TINY = ["--model", "tiny", "--seq_len", "32"]
+
+
+def printed(argv, capsys) -> str:
+    "What parse_args prints before it exits 0 (--help, --print_config)."
+    with pytest.raises(SystemExit) as e: parse_args(argv)
+    assert e.value.code in (0, None), e.value.code
+    return capsys.readouterr().out
+
+
+def test_help_in_sections_with_choices(capsys):
+    text = printed(["--help"], capsys)
+    sections = re.findall(r"^(\w+):$", text, re.M)
+    assert sections == ["options", "data", "model", "optimisation", "parallelism", "checkpoints", "tracking", "run"]
+    for flag in ("--task {clm,mlm,cls}", "--zero_stage {0,1,2,3}", "--pp_schedule {gpipe,1f1b,interleaved,",
+                 "--tracker {auto,tensorboard,wandb,none}", "--overwrite [BOOL]", "--config FILE", "--print_config"):
+        assert flag in text, flag
+    names = [k for group in config._GROUPS.values() for k in group.split()]
+    assert sorted(names) == sorted(f.name for f in fields(Config))  # every field in one section, once
+    for name in names:  # each flag: its own help line, its default
+        assert re.search(rf"--{name} .*\S", text) or re.search(rf"--{name}.*\n\s+\S", text), name
+
+
+def test_bare_boolean_flag_is_true():
+    assert parse_args(TINY).overwrite is False
+    assert parse_args([*TINY, "--overwrite"]).overwrite is True
+    assert parse_args([*TINY, "--overwrite", "--activation_checkpointing"]).activation_checkpointing is True
+    for value, want in (("true", True), ("false", False), ("1", True), ("off", False)):  # existing scripts
+        assert parse_args([*TINY, "--overwrite", value]).overwrite is want
+    with pytest.raises(ConfigError, match="argument --overwrite: invalid bool value: 'maybe'"):
+        parse_args([*TINY, "--overwrite", "maybe"])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--batch-size", "4"], "unknown flag: --batch-size 4 (did you mean --batch_size?)"),
+    (["--max_step", "3"], "(did you mean --max_steps?)"),
+    (["--batchsize=4"], "unknown flag: --batchsize=4 (did you mean --batch_size?)"),
+    (["--bogus", "1"], "unknown flag: --bogus 1; python -m distcourse.train --help"),  # nothing near: no guess
+    (["--pp_schedule", "1f1"], "--pp_schedule '1f1' (did you mean 1f1b?): choose one of gpipe, 1f1b,"),
+    (["--tracker", "tensorbord"], "--tracker 'tensorbord' (did you mean tensorboard?): choose one of"),
+])
+def test_typo_names_the_nearest(argv, says):
+    with pytest.raises(ConfigError) as e: parse_args([*TINY, *argv])
+    assert says in str(e.value), str(e.value)
+    if "bogus" in says: assert "did you mean" not in str(e.value)
+
+
+def test_a_yaml_value_outside_its_set_is_refused_too(tmp_path):
+    (tmp_path / "run.yaml").write_text("model: tiny\ncompile: yes please\n")
+    with pytest.raises(ConfigError, match="--compile 'yes please': choose one of auto, true, false"):
+        parse_args(["--config", str(tmp_path / "run.yaml")])
+
+
+def online(monkeypatch):
+    "An online Hub (as outside the tests) whose every download fails the test."
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    def no_download(*args, **kwargs): raise AssertionError("the Hub was asked")
+    monkeypatch.setattr(config.AutoConfig, "from_pretrained", no_download)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_download)
+
+
+@pytest.mark.parametrize("name,says", [
+    ("smal", "--model 'smal' (did you mean small?): not one of tiny, small, base, tiny-moe, small-moe"),
+    ("tiny_moe", "--model 'tiny_moe' (did you mean tiny-moe?)"),
+    ("gpt2", "--model 'gpt2': not one of tiny, small, base, tiny-moe, small-moe and not an existing path, nor a Hub "
+             "id (owner/name)"),
+])
+def test_unknown_preset_refused_before_the_hub(name, says, monkeypatch):
+    "Online, a name that is no preset, no path and no owner/name is refused at once: the Hub is never asked."
+    online(monkeypatch)
+    with pytest.raises(ConfigError) as e: parse_args(["--model", name])
+    assert says in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match=r"not a preset|did you mean"): build_model(name, vocab_size=64)
+
+
+def test_an_owner_name_id_still_goes_to_the_hub(monkeypatch):
+    "The rule is no wider than it says: someone/model (online) is a Hub id, and from_pretrained is asked."
+    online(monkeypatch)
+    asked = []
+    def missing(name, *args, **kwargs): asked.append(name); raise OSError(f"{name} is not a valid model identifier")
+    monkeypatch.setattr(config.AutoConfig, "from_pretrained", missing)
+    with pytest.raises(ConfigError, match="--model 'someone/model': not a preset and from_pretrained failed"):
+        parse_args(["--model", "someone/model"])
+    assert asked == ["someone/model"]
+
+
+def test_unknown_preset_from_the_command_line_makes_no_request(tmp_path):
+    """The trainer's own process, online, its Hub at a port that answers nothing: `--model smal` exits 2 with the
+    nearest preset, and the Hub client never retries (it did, five times, before any answer). Its time is printed."""
+    start = time.perf_counter()
+    proc = run_cli([PY, "-m", "distcourse.train", "--model", "smal", "--output_dir", str(tmp_path / "x")], timeout=120,
+                   env={"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    print(f"--model smal refused in {time.perf_counter() - start:.1f} s (imports included)")
+    assert proc.returncode == 2 and "(did you mean small?)" in proc.stderr, proc.stderr[-2000:]
+    assert "Retrying" not in proc.stderr and "127.0.0.1" not in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "x").exists()
+
+
+def test_print_config_is_a_config_file(tmp_path, capsys):
+    "--print_config: the file, then the flags, checked, as YAML; --config reads it back to the same Config; exit 0."
+    (tmp_path / "base.yaml").write_text("model: tiny\nlr: 1e-3\nmixed_precision: 'no'\n")
+    out = tmp_path / "run"
+    argv = ["--config", str(tmp_path / "base.yaml"), "--seq_len", "64", "--overwrite", "--output_dir", str(out)]
+    text = printed([*argv, "--print_config"], capsys)
+    assert yaml.safe_load(text) == asdict(parse_args(argv))
+    assert "mixed_precision: 'no'" in text and "lr: 0.001" in text and "overwrite: true" in text
+    (tmp_path / "printed.yaml").write_text(text)
+    assert parse_args(["--config", str(tmp_path / "printed.yaml")]) == parse_args(argv)
+    assert not out.exists()  # printed, nothing run
+    with pytest.raises(ConfigError, match="--seq_len 4096 exceeds"):  # a bad configuration is refused, not printed
+        parse_args([*argv, "--seq_len", "4096", "--print_config"])
+
+
+def test_plan_help_and_table(capsys):
+    "One help line per flag; times in ms (no e-notation); rows of equal printed time by the smaller MiB/rank."
+    with pytest.raises(SystemExit): plan.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("model", "n_layer", "world", "global_batch", "seq_len", "profile", "top"):
+        line = re.search(rf"--{flag}\b[^\n]*\n?[^\n-]*", text).group(0)
+        assert "(default: " in text and not re.fullmatch(r"--\w+ \S+\s+default \S+\s*", line), line
+    assert "{tiny,small,base,tiny-moe,small-moe}" in text
+    rows = plan.main(["--model", "tiny", "--profile", "h100-node", "--world", "8", "--top", "12"])
+    out = capsys.readouterr().out
+    assert "step ms" in out and "MiB/rank" in out and "equal step times: the smaller MiB/rank" in out
+    table = [l.split() for l in out.splitlines() if re.match(r"\s+\d+ dp\d", l)]
+    assert len(table) == 12 and not any("e-" in l or "e+" in l for l in out.splitlines() if re.match(r"\s+\d", l))
+    mib, ms = [float(w[-5].replace(",", "")) for w in table], [float(w[-4].replace(",", "")) for w in table]
+    assert ms == sorted(ms) and ms[0] == float(f"{rows[0]['step_s'] * 1e3:.4g}")
+    for i in range(1, len(ms)):
+        if ms[i] == ms[i - 1]: assert mib[i] >= mib[i - 1], (table[i - 1], table[i])
+    assert any(ms[i] == ms[i - 1] for i in range(1, len(ms)))  # a tie to order is in this table
