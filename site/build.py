@@ -1,16 +1,24 @@
-"""Build the course website: every lesson executed now, rendered with its outputs, a home page, an API reference.
+"""Execute the lessons and build the course website from their outputs.
 
-    python site/build.py            # real sizes: what a learner gets running the lessons (tens of minutes)
-    python site/build.py --test     # IN_TEST sizes, as nbdev_test runs them (what CI builds and tests)
+    python site/build.py                    # every lesson at real sizes, outputs written into nbs/, then the site
+    python site/build.py 05a_zero 03        # only these lessons (after editing them), then the site
+    python site/build.py --render           # the site from the committed outputs, executing nothing (seconds)
+    python site/build.py --check            # fails naming each lesson whose outputs are older than its code
+    python site/build.py --test --flags slow  # CI: each lesson once under nbdev_test's rules, then the site
 
-Writes site/_build/ (open site/_build/index.html, or `python -m http.server -d site/_build`). The lessons are
-executed by this command, in fresh kernels, so the pages can never show outputs of older code; a lesson that
-raises fails the build. Each kernel also logs, in order, the Accelerators and GPUs it set up and the times it
-forked (site/record_forks.py, into site/_src/forks/; tests/test_forks.py reads them). MkDocs (Material theme, mkdocs-jupyter) renders the pages: it installs from PyPI,
+The lessons in nbs/ are committed with the outputs of their real-size execution, so they can be read (on a code
+host, in JupyterLab, on the site) before anything runs. Each lesson's notebook metadata holds the hash of the code
+its outputs came from (`distcourse.code`); `--check` (CI's first test) fails when a lesson's code has changed since,
+naming the command that refreshes it. A lesson that raises keeps its old outputs and fails the build.
+The site is rendered from the committed outputs, never from a second execution; `--test` executes each lesson
+once in a scratch copy at IN_TEST sizes, as `nbdev_test` does, to prove it still runs. Each kernel also logs the
+Accelerators and GPUs it set up and the times it forked (site/record_forks.py, into site/_src/forks/;
+tests/test_forks.py reads them). MkDocs (Material theme, mkdocs-jupyter) renders the pages: it installs from PyPI,
 while nbdev's own docs builder needs Quarto, whose installer downloads a binary.
 """
 import argparse
 import configparser
+import difflib
 import hashlib
 import importlib
 import inspect
@@ -21,12 +29,14 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC, OUT = ROOT / "site/_src", ROOT / "site/_build"
 FORKS = SRC / "forks"  # per lesson: what its kernel process set up and when it forked (tests/test_forks.py)
+MAX_BYTES = 1_000_000  # a committed lesson with its outputs; figures are PNGs at a modest resolution
+REFRESH = "python site/build.py"
 
 
 def lessons() -> list:
@@ -42,6 +52,34 @@ def title_of(nb) -> str:
     return "untitled"
 
 
+def code_hash(nb) -> str:
+    "The hash of a notebook's code cells, in order: what its outputs depend on (prose edits leave it alone)."
+    code = [c["source"] if isinstance(c["source"], str) else "".join(c["source"])
+            for c in nb["cells"] if c["cell_type"] == "code"]
+    return hashlib.sha256("\n\x00\n".join(code).encode()).hexdigest()[:16]
+
+
+def problems(path) -> list:
+    "What is wrong with a committed lesson's outputs (empty: fresh)."
+    nb = json.loads(path.read_text())
+    stamp = nb.get("metadata", {}).get("distcourse", {}).get("code")
+    outputs = [o for c in nb["cells"] if c["cell_type"] == "code" for o in c.get("outputs", [])]
+    if stamp is None: return ["committed without outputs"]
+    found = [] if stamp == code_hash(nb) else ["its code changed since its outputs were made"]
+    if any(o["output_type"] == "error" for o in outputs): found.append("an error in its outputs")
+    if not any("image/png" in o.get("data", {}) for o in outputs): found.append("no figure in its outputs")
+    if (size := path.stat().st_size) > MAX_BYTES: found.append(f"{size / 1e6:.1f} MB with its outputs (> 1 MB)")
+    return found
+
+
+def check(paths) -> list:
+    "Print each stale lesson with the command that refreshes it; the stale names."
+    stale = {p.stem: why for p in paths if (why := problems(p))}
+    for name, why in stale.items(): print(f"{name}: {'; '.join(why)}")
+    if stale: print(f"refresh them (real sizes, their outputs written into nbs/): {REFRESH} {' '.join(stale)}")
+    return list(stale)
+
+
 def skipped_flags(test, flags=()) -> set:
     "Cell flags not run: `#| eval: false` always; under --test settings.ini's tst_flags but `flags`, as nbdev_test."
     cfg = configparser.ConfigParser()
@@ -54,22 +92,36 @@ def record_kernels():
     startup = SRC / "ipython/profile_default/startup"
     startup.mkdir(parents=True, exist_ok=True)
     (startup / "00-record_forks.py").write_text(  # in its own namespace: the lesson's names stay the lesson's
-        f"import runpy; runpy.run_path({str(ROOT / 'site/record_forks.py')!r}); del runpy\n")
+        f"import runpy; runpy.run_path({str(ROOT / 'site/record_forks.py')!r}); del runpy\n"
+        "get_ipython().run_line_magic('config', \"InlineBackend.figure_formats = ['png']\")\n")
     FORKS.mkdir(parents=True, exist_ok=True)
 
 
+def write_back(path, nb, before):
+    "Copy an executed lesson's outputs into nbs/, stamped with its code's hash; refuse if it was edited meanwhile."
+    from nbdev.clean import nbdev_clean
+    if path.read_bytes() != before: return f"{path.name} was edited while it ran: its outputs were not written"
+    src = json.loads(before)
+    for cell, ran in zip(src["cells"], nb.cells):
+        if cell["cell_type"] == "code": cell["outputs"] = [dict(o) for o in ran.get("outputs", [])]
+    src["metadata"]["distcourse"] = {"code": code_hash(src)}
+    path.write_text(json.dumps(src, indent=1, ensure_ascii=False) + "\n")
+    nbdev_clean(fname=str(path))  # the repository's format: no execution counts, no object addresses
+
+
 def execute(path, test, flags=()) -> tuple:
-    "Run one lesson top to bottom in a fresh kernel (cwd nbs/); write it with its outputs. (name, seconds, error)."
+    "Run one lesson top to bottom in a fresh kernel (cwd nbs/). Real sizes: outputs into nbs/. (name, s, error)."
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
     os.environ.update({"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",  # a static page: no live bars
                        "MPLBACKEND": "module://matplotlib_inline.backend_inline"})
     if test: os.environ["IN_TEST"] = "1"
-    log = FORKS / f"{path.stem}.jsonl"  # the kernel appends its events; the lesson's hash says which version ran
-    log.write_text(json.dumps({"event": "start", "source": hashlib.sha256(path.read_bytes()).hexdigest()}) + "\n")
+    before = path.read_bytes()
+    log = FORKS / f"{path.stem}.jsonl"  # the kernel appends its events; the code's hash says which version ran
+    log.write_text(json.dumps({"event": "start", "source": code_hash(json.loads(before))}) + "\n")
     os.environ.update(IPYTHONDIR=str(SRC / "ipython"), DISTCOURSE_FORK_LOG=str(log))
-    nb, t0, error = nbformat.read(path, as_version=4), time.time(), None
+    nb, t0, error = nbformat.reads(before.decode(), as_version=4), time.time(), None
     skip = skipped_flags(test, flags)
     for cell in nb.cells:
         cell_flags = set(re.findall(r"^#\|\s*(.+?)\s*$", cell.source, re.M)) if cell.cell_type == "code" else set()
@@ -77,13 +129,30 @@ def execute(path, test, flags=()) -> tuple:
     # A cell's limit: at real sizes one cell trains for minutes, and on a 2-core machine shared with another lesson
     # (--jobs 2) or another job it took over 15 (lesson 02's 150 steps); a launch that hangs has its own timeout.
     limit = 900 if test else 3 * 3600
-    client = NotebookClient(nb, timeout=limit, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}})
+    client = NotebookClient(nb, timeout=limit, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}})
     try: client.execute()
     except CellExecutionError as e: error = str(e).strip().splitlines()[-1]
     except CellTimeoutError: error = f"a cell ran past {limit} s (raise the limit in site/build.py if it was only slow)"
     with open(log, "a") as f: f.write(json.dumps({"event": "end", "error": error}) + "\n")  # it ran to its end
-    nbformat.write(nb, SRC / "lessons" / path.name)
+    if not test and not error: error = write_back(path, nb, before)
     return path.stem, round(time.time() - t0, 1), error
+
+
+def run_lessons(paths, test, flags, jobs) -> list:
+    "Execute the lessons, `jobs` at a time, printing each as it ends; the names of those that raised."
+    record_kernels()
+    sizes = "IN_TEST sizes, in a scratch copy" if test else "real sizes, outputs written into nbs/"
+    print(f"executing {len(paths)} lessons ({sizes}), {jobs} at a time", flush=True)
+    failed, t0 = [], time.time()
+    with ProcessPoolExecutor(jobs) as pool:
+        runs = [pool.submit(execute, p, test, flags) for p in paths]
+        for k, run in enumerate(as_completed(runs), 1):
+            name, secs, error = run.result()
+            print(f"[{k:>2}/{len(paths)}] {name:<28} {secs:>6.1f} s  {'ERROR: ' + error if error else 'ok'}"
+                  f"  ({time.time() - t0:.0f} s so far)", flush=True)
+            if error: failed.append(name)
+    return failed
 
 
 def signature(obj) -> str:
@@ -104,7 +173,8 @@ def api_page(module) -> str:
         lines += [f"## `{name}`", "", f"```python\n{signature(obj)}\n```", "", inspect.getdoc(obj) or "", ""]
         try: params = docments(obj, full=True)
         except (TypeError, ValueError, OSError): params = {}
-        rows = [(k, v) for k, v in params.items() if k != "return" and (v.get("docment") or v.get("default") is not inspect._empty)]
+        rows = [(k, v) for k, v in params.items()
+                if k != "return" and (v.get("docment") or v.get("default") is not inspect._empty)]
         if rows:
             lines += ["| parameter | default | meaning |", "|---|---|---|"]
             for k, v in rows:
@@ -126,6 +196,13 @@ def home(pages) -> str:
     return intro + table + "\n\nThe API reference of the `distcourse` package is under **API** in the navigation.\n"
 
 
+def page_of(path) -> dict:
+    "A lesson as its page shows it: the committed outputs, the folded check cells (`#| hide`) left out."
+    nb = json.loads(path.read_text())
+    nb["cells"] = [c for c in nb["cells"] if not re.match(r"#\|\s*hide\b", "".join(c["source"]))]
+    return nb
+
+
 def config(pages, modules) -> dict:
     return {"site_name": "distcourse", "docs_dir": str(SRC / "docs"), "site_dir": str(OUT),
             "use_directory_urls": False, "theme": {"name": "material", "features": ["navigation.footer"]},
@@ -136,27 +213,17 @@ def config(pages, modules) -> dict:
                     {"API": [{m: f"api/{m}.md"} for m in modules]}]}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python site/build.py", description=__doc__.splitlines()[0])
-    p.add_argument("--test", action="store_true", help="IN_TEST sizes (minutes instead of tens of minutes)")
-    p.add_argument("--flags", nargs="*", default=[], help="under --test, run the cells with these tst_flags too, "
-                   "as `nbdev_test --flags slow` does (CI: slow)")
-    p.add_argument("--jobs", type=int, default=2, help="lessons executed at once")
-    args = p.parse_args(argv)
-    shutil.rmtree(SRC, ignore_errors=True)
-    (SRC / "lessons").mkdir(parents=True)
-    record_kernels()
-    t0 = time.time()
-    with ProcessPoolExecutor(args.jobs) as pool:
-        n, results = len(lessons()), []
-        for name, secs, error in pool.map(execute, lessons(), [args.test] * n, [args.flags] * n):  # course order
-            print(f"{name:<28} {secs:>6.1f} s  {'ERROR: ' + error if error else 'ok'}", flush=True)
-            results.append((name, secs, error))
-    if failed := [n for n, _, e in results if e]: raise SystemExit(f"lessons raised: {failed}; no site built")
-    docs = SRC / "docs"
+def render():
+    "The site from the committed lessons: their pages, a home page, an API reference, into site/_build/."
+    t0, docs = time.time(), SRC / "docs"
+    shutil.rmtree(docs, ignore_errors=True)
     (docs / "api").mkdir(parents=True)
-    shutil.move(str(SRC / "lessons"), docs / "lessons")
-    pages = {path.stem: title_of(json.loads(path.read_text())) for path in sorted((docs / "lessons").glob("*.ipynb"))}
+    (docs / "lessons").mkdir()
+    pages = {}
+    for path in lessons():
+        nb = page_of(path)
+        (docs / "lessons" / path.name).write_text(json.dumps(nb))
+        pages[path.stem] = title_of(nb)
     modules = sorted(f"distcourse.{f.stem}" for f in (ROOT / "distcourse").glob("[a-z]*.py"))
     for m in modules: (docs / "api" / f"{m}.md").write_text(api_page(m))
     (docs / "index.md").write_text(home(pages))
@@ -166,7 +233,47 @@ def main(argv=None):
     (SRC / "mkdocs.yml").write_text(json.dumps(config(pages, modules), indent=1))  # JSON is YAML
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--quiet", "-f", str(SRC / "mkdocs.yml")],
                    cwd=SRC, check=True)  # mkdocs-jupyter caches its conversions in the working directory
-    print(f"site/_build/ ({len(pages)} lessons, {len(modules)} API pages) in {time.time() - t0:.0f} s")
+    print(f"site/_build/ ({len(pages)} lessons, {len(modules)} API pages) rendered in {time.time() - t0:.0f} s")
+
+
+def chosen(names) -> list:
+    "The lessons named (a full name or a unique prefix: `05a`), or every lesson."
+    every = lessons()
+    if not names: return every
+    picked = []
+    for name in names:
+        hits = [p for p in every if p.stem == name] or [p for p in every if p.stem.startswith(name)]
+        if len(hits) != 1:
+            near = difflib.get_close_matches(name, [p.stem for p in every], n=3, cutoff=0.3)
+            options = ", ".join(near or [p.stem for p in hits])
+            raise SystemExit(f"{name!r} names {len(hits)} lessons; one of: {options}")
+        picked += hits
+    return picked
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python site/build.py", description=__doc__.splitlines()[0])
+    p.add_argument("lessons", nargs="*", help="lessons to execute (names or prefixes such as 05a); default all")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--render", action="store_true", help="render the committed outputs; execute nothing")
+    mode.add_argument("--check", action="store_true", help="fail if a lesson's outputs are older than its code")
+    mode.add_argument("--test", action="store_true", help="execute at IN_TEST sizes in a scratch copy (CI)")
+    p.add_argument("--flags", nargs="*", default=[], help="under --test, run the cells with these tst_flags too, "
+                   "as `nbdev_test --flags slow` does (CI: slow)")
+    p.add_argument("--jobs", type=int, default=2, help="lessons executed at once")
+    args = p.parse_args(argv)
+    os.chdir(ROOT)  # nbdev_clean reads settings.ini from here
+    paths = chosen(args.lessons)
+    if args.check:
+        stale = check(paths)
+        if stale: raise SystemExit(1)
+        return print(f"{len(paths)} lessons: outputs fresh (made by their current code, a figure each, < 1 MB)")
+    if not args.render:
+        failed = run_lessons(paths, args.test, args.flags, args.jobs)
+        if failed: raise SystemExit(f"lessons raised: {failed} (their committed outputs are unchanged); no site built")
+    if stale := [p.stem for p in lessons() if problems(p)]:
+        print(f"note: {len(stale)} lessons' outputs are stale ({', '.join(stale[:5])}...): `{REFRESH} --check`")
+    render()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 from distcourse.launch import free_port  # noqa: E402  (below the ephemeral ports gloo's connections take)
 
 
+def site_build():
+    "site/build.py as a module (the lessons' freshness check, the site's pages)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("site_build", ROOT / "site/build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def run_cli(args, cwd=ROOT, timeout=600, env=None):
     "Run a command line, returning the CompletedProcess (text mode)."
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout,

@@ -4,7 +4,6 @@ lesson's kernel wrote while `python site/build.py --test` (which CI runs before 
 Accelerator made, every GPU initialised, every fork, in order (site/record_forks.py). An Accelerate state alone
 (accelerate's `skip_first_batches` makes one in lesson 07's kernel) is logged but allowed: without a process group
 it picks the GPU as a device name and initialises nothing."""
-import hashlib
 import json
 import os
 import re
@@ -13,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, site_build
 
 LOGS = ROOT / "site/_src/forks"
 LESSONS = sorted((ROOT / "nbs").glob("[0-9]*.ipynb"))
@@ -26,7 +25,7 @@ def kernel_events(lesson) -> list:
     log, why = LOGS / f"{lesson.stem}.jsonl", None
     lines = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
     if not lines: why = f"no kernel log of {lesson.stem}: run `python site/build.py --test` first"
-    elif lines[0]["source"] != hashlib.sha256(lesson.read_bytes()).hexdigest():
+    elif lines[0]["source"] != site_build().code_hash(json.loads(lesson.read_text())):
         why = f"{log.name} is from another version of {lesson.name}: run `python site/build.py --test` again"
     elif lines[-1]["event"] != "end": why = f"{lesson.stem} did not run to its end in the last site build"
     if why:
