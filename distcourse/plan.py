@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['HAND_OF', 'Layout', 'bubble', 'held', 'rank_params', 'memory', 'step_time', 'predict', 'dp_messages',
-           'shared_step_time', 'layouts', 'plan', 'flags', 'trainer_accepts', 'main']
+           'shared_step_time', 'layouts', 'printed_ms', 'plan', 'flags', 'trainer_accepts', 'main', 'explain']
 
 # %% ../nbs/09c_plan.ipynb #7411b50b
 import argparse
@@ -199,10 +199,13 @@ def layouts(s: Shape, world, global_batch, seq_len, p: Profile,
     fits = lambda L: max(memory(s, L, seq_len, p.dtype, k)["total"] for k in {0, L.pp - 1}) * (  # fullest rank;
         L.world if p.shared else 1) <= p.mem_bytes  # on a shared machine all ranks fit its memory together
     return [L for L in out if fits(L) and not (course and trainer_accepts(L, model, seq_len, n_layer))]
+def printed_ms(r) -> float:
+    "A prediction's step in milliseconds to 4 significant digits (0.04205, not 4.205e-05 s): the table's, plan()'s."
+    return float(f"{r['step_s'] * 1e3:.4g}")
 def plan(s: Shape, world, global_batch, seq_len, p: Profile, **kw) -> list:
     "predict() of each feasible layout (`kw`: layouts' options), fastest (to 4 digits, as printed), smaller peak first."
     return sorted((predict(s, L, seq_len, p) for L in layouts(s, world, global_batch, seq_len, p, **kw)),
-                  key=lambda r: (float(f"{r['step_s']:.4g}"), r["memory"]["total"], str(r["layout"])))  # then the name
+                  key=lambda r: (printed_ms(r), r["memory"]["total"], str(r["layout"])))  # then the name
 
 # %% ../nbs/09c_plan.ipynb #218baa77
 def flags(L: Layout, model=None, seq_len=None, n_layer=0, dtype="fp32") -> list:
@@ -226,6 +229,8 @@ def main(argv=None):
                        ("profile", "measured", "measured (here, 09b), h100-node, a100-node or a Profile's JSON")):
         ap.add_argument(f"--{k}", type=type(v), default=v, help=f"{what} (default: {v})",
                         choices=[*PRESETS, *MOE_PRESETS] if k == "model" else None)
+    ap.add_argument("--explain", action="store_true", help="after the table, why the first layout beats the second "
+                    "(default: off)")
     a = ap.parse_args(argv)
     try: s, p = shape_of(a.model, a.n_layer), load_profile(a.profile)
     except ValueError as e: ap.error(str(e))
@@ -236,11 +241,34 @@ def main(argv=None):
           f"(the fullest rank's peak) first\n{'#':>3} {'layout':<34} {'MiB/rank':>10} {'step ms':>10} {'MFU':>6} "
           f"{'tokens/s':>11}  dominant")
     for i, r in enumerate(rows[:a.top], 1):
-        ms = float(f"{r['step_s'] * 1e3:.4g}")  # 4 significant digits, as plan() ranks them: 0.04205, not 4.205e-05 s
-        print(f"{i:>3} {str(r['layout']):<34} {r['memory']['total'] / 2**20:>10,.1f} {ms:>10,} "
+        print(f"{i:>3} {str(r['layout']):<34} {r['memory']['total'] / 2**20:>10,.1f} {printed_ms(r):>10,} "
               f"{r['mfu']:>6.1%} {r['tokens_s']:>11,.0f}  {r['dominant']}")
+    if a.explain: print("\n" + explain(rows))
     print("\nthe best:\naccelerate launch --multi_gpu --num_processes", rows[0]["layout"].world, "-m distcourse.train",
           *flags(rows[0]["layout"], a.model, a.seq_len, a.n_layer, p.dtype), "--output_dir runs/plan")
     return rows
+
+# %% ../nbs/09c_plan.ipynb #827cde92
+def _terms(first: dict, second: dict, scale, unit, decimals) -> str:
+    "The terms of two breakdowns that differ as printed, the second's minus the first's, largest first."
+    d = {k: (second[k] - v) * scale for k, v in first.items() if k not in ("total", "first_step")}
+    shown = [f"{k} {d[k]:+,.{decimals}f} {unit}" for k in sorted(d, key=lambda k: -abs(d[k])) if round(d[k], decimals)]
+    return "; ".join(shown) or "no term differs"
+
+def explain(rows: list) -> str:
+    "Why plan() ranks its first layout above its second: the terms of step time and memory per rank that differ."
+    if len(rows) < 2: return f"why #1 {rows[0]['layout']}: the only feasible layout, nothing to compare it with"
+    a, b = rows[:2]
+    ms, mib = [printed_ms(r) for r in (a, b)], [r["memory"]["total"] / 2**20 for r in (a, b)]
+    decimals = len(str(ms[1]).partition(".")[2])  # the table's: 4 significant digits
+    if ms[0] < ms[1]: why = f"#1's step is {ms[1] - ms[0]:,.{decimals}f} ms shorter ({ms[0]:,} vs {ms[1]:,} ms)"
+    elif a["memory"]["total"] < b["memory"]["total"]:
+        why = f"equal steps as printed ({ms[0]:,} ms), so the smaller memory per rank decided"
+    else: why = f"equal steps as printed ({ms[0]:,} ms) and memory per rank, so the name decided"
+    return (f"why #1 {a['layout']} and not #2 {b['layout']}:\n  {why}\n"
+            f"  step time, #2 minus #1: {_terms(a['time'], b['time'], 1e3, 'ms', decimals)}\n"
+            f"  memory per rank {mib[0]:,.1f} vs {mib[1]:,.1f} MiB, #2 minus #1: "
+            f"{_terms(a['memory'], b['memory'], 2**-20, 'MiB', 1)}")
+
 if __name__ == "__main__" and "__file__" in globals():  # python -m distcourse.plan, not the notebook
     main()
