@@ -1,7 +1,9 @@
 """The command lines people expect (lessons 09, 01 and 09c): --help in sections with each fixed set of choices, a
 boolean flag alone means true, a typo of a flag, a preset or a choice names the nearest one, an unknown bare model name
 is refused before any Hub call, --print_config prints YAML that --config reads back, and the planner's table speaks
-milliseconds and MiB per rank, its ties ordered by what it prints."""
+milliseconds and MiB per rank, its ties ordered by what it prints, and its --explain says why the first row beats the
+second, term by term."""
+import json
 import re
 import time
 from dataclasses import asdict, fields
@@ -14,6 +16,7 @@ import distcourse.config as config
 import distcourse.plan as plan
 from conftest import PY, run_cli
 from distcourse.config import Config, ConfigError, parse_args
+from distcourse.machine import PROFILES
 from distcourse.model import build_model
 
 pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
@@ -136,7 +139,7 @@ def test_plan_help_and_table(capsys):
     "One help line per flag; times in ms (no e-notation); rows of equal printed time by the smaller MiB/rank."
     with pytest.raises(SystemExit): plan.main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("model", "n_layer", "world", "global_batch", "seq_len", "profile", "top"):
+    for flag in ("model", "n_layer", "world", "global_batch", "seq_len", "profile", "top", "explain"):
         line = re.search(rf"--{flag}\b[^\n]*\n?[^\n-]*", text).group(0)
         assert "(default: " in text and not re.fullmatch(r"--\w+ \S+\s+default \S+\s*", line), line
     assert "{tiny,small,base,tiny-moe,small-moe}" in text
@@ -150,3 +153,71 @@ def test_plan_help_and_table(capsys):
     for i in range(1, len(ms)):
         if ms[i] == ms[i - 1]: assert mib[i] >= mib[i - 1], (table[i - 1], table[i])
     assert any(ms[i] == ms[i - 1] for i in range(1, len(ms)))  # a tie to order is in this table
+
+
+def explained(argv, capsys):
+    "plan.main's rows with --explain, and the lines it printed between the table and the command."
+    rows = plan.main([*argv, "--explain"])
+    return rows, capsys.readouterr().out.split("\n\n")[1].splitlines()
+
+
+def shown(line) -> dict:
+    "{term: (difference, decimals)} of an --explain line: 'name +1.25 ms; other -0.5 ms', {} for 'no term differs'."
+    body = line.split("#2 minus #1: ")[1]
+    if body == "no term differs": return {}
+    terms = [t.rsplit(" ", 2) for t in body.split("; ")]
+    return {k: (float(v.replace(",", "")), len(v.partition(".")[2])) for k, v, _unit in terms}
+
+
+def agrees_with_the_breakdown(rows, lines):
+    "Each difference printed is step_time's or memory's own term, #2's minus #1's, rounded; largest first; none left."
+    a, b = rows[:2]
+    for line, key, scale in ((lines[2], "time", 1e3), (lines[3], "memory", 2**-20)):
+        want = {k: (b[key][k] - v) * scale for k, v in a[key].items() if k not in ("total", "first_step")}
+        got = shown(line)
+        assert set(got) <= set(want), (got, want)
+        for k, (v, decimals) in got.items(): assert v == round(want[k], decimals) != 0, (k, v, want[k])
+        assert [abs(v) for v, _ in got.values()] == sorted((abs(v) for v, _ in got.values()), reverse=True)
+        smallest = min([abs(v) for v, _ in got.values()], default=1e-9)
+        assert all(abs(want[k]) <= smallest for k in want if k not in got), (line, want)  # the rest print as 0
+
+
+def test_plan_explain_names_the_terms_that_differ(capsys):
+    "One process, one sequence: the first layout is faster (no recomputation), by the terms --explain names."
+    rows, lines = explained(["--model", "small", "--n_layer", "4", "--world", "1", "--global_batch", "1"], capsys)
+    a, b = rows[:2]
+    assert lines[0] == f"why #1 {a['layout']} and not #2 {b['layout']}:" and b["layout"].activation_checkpointing
+    margin = plan.printed_ms(b) - plan.printed_ms(a)
+    assert margin > 0 and lines[1].startswith(f"  #1's step is {margin:,.2f} ms shorter")
+    agrees_with_the_breakdown(rows, lines)
+    step, memory = shown(lines[2]), shown(lines[3])
+    assert step["compute"][0] > 0 and memory["activations"][0] < 0  # recomputation: a second forward, less kept
+    assert sum(v for v, _ in step.values()) == pytest.approx(margin, abs=0.02)  # the terms add up to the margin
+    assert f"memory per rank {a['memory']['total'] / 2**20:,.1f} vs {b['memory']['total'] / 2**20:,.1f} MiB" in lines[3]
+
+
+def test_plan_explain_says_when_memory_or_the_name_decided(capsys):
+    "The lesson's example: the first two print the same step, so the smaller memory per rank ranks first."
+    rows, lines = explained(["--model", "small", "--n_layer", "4", "--world", "4", "--global_batch", "16", "--top", "3"],
+                            capsys)
+    a, b = rows[:2]
+    assert plan.printed_ms(a) == plan.printed_ms(b) and a["memory"]["total"] < b["memory"]["total"]
+    assert lines[1] == f"  equal steps as printed ({plan.printed_ms(a):,} ms), so the smaller memory per rank decided"
+    agrees_with_the_breakdown(rows, lines)
+    assert shown(lines[3])  # where the memory differs
+    same = next(i for i in range(len(rows) - 1) if plan.printed_ms(rows[i]) == plan.printed_ms(rows[i + 1])
+                and rows[i]["memory"]["total"] == rows[i + 1]["memory"]["total"])  # a tie on both
+    assert "memory per rank, so the name decided" in plan.explain(rows[same:])
+    assert str(rows[same]["layout"]) < str(rows[same + 1]["layout"])
+
+
+def test_plan_explain_with_one_feasible_layout(capsys, tmp_path):
+    "A device with memory for recomputation's layout only: --explain says it is the only one."
+    shape, h100 = plan.shape_of("tiny"), PROFILES["h100-node"]
+    peaks = [plan.predict(shape, L, 128, h100)["memory"]["total"] for L in plan.layouts(shape, 1, 1, 128, h100)]
+    assert len(peaks) == 2
+    (tmp_path / "gpu.json").write_text(json.dumps(asdict(h100) | {"name": "gpu", "mem_bytes": sum(peaks) / 2}))
+    rows, lines = explained(["--model", "tiny", "--world", "1", "--global_batch", "1", "--profile",
+                             str(tmp_path / "gpu.json")], capsys)
+    assert len(rows) == 1 and rows[0]["layout"].activation_checkpointing
+    assert lines == [f"why #1 {rows[0]['layout']}: the only feasible layout, nothing to compare it with"]
