@@ -28,6 +28,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -97,13 +98,30 @@ def record_kernels():
     FORKS.mkdir(parents=True, exist_ok=True)
 
 
+def scrub(text: str) -> str:
+    "An output without this machine's paths: no checkout root, libraries from site-packages on, temporary dirs <tmp>."
+    text = re.sub(r"[^\s'\"]*/site-packages/", "", text.replace(f"{ROOT}/", "").replace(str(ROOT), "."))
+    return re.sub(re.escape(tempfile.gettempdir()) + r"/[\w.-]+", "<tmp>", text)
+
+
+def scrubbed(output: dict) -> dict:
+    "A cell output whose text (a stream, a warning, a repr) names no machine's paths."
+    output = json.loads(json.dumps(output))
+    if "text" in output: output["text"] = scrub("".join(output["text"]))
+    for kind, value in output.get("data", {}).items():
+        if kind.startswith("text/"): output["data"][kind] = scrub("".join(value))
+    return output
+
+
 def write_back(path, nb, before):
     "Copy an executed lesson's outputs into nbs/, stamped with its code's hash; refuse if it was edited meanwhile."
     from nbdev.clean import nbdev_clean
     if path.read_bytes() != before: return f"{path.name} was edited while it ran: its outputs were not written"
+    from nbconvert.preprocessors import CoalesceStreamsPreprocessor
+    CoalesceStreamsPreprocessor().preprocess(nb, {})  # one stream per cell, progress bars at their last state
     src = json.loads(before)
     for cell, ran in zip(src["cells"], nb.cells):
-        if cell["cell_type"] == "code": cell["outputs"] = [dict(o) for o in ran.get("outputs", [])]
+        if cell["cell_type"] == "code": cell["outputs"] = [scrubbed(o) for o in ran.get("outputs", [])]
     src["metadata"]["distcourse"] = {"code": code_hash(src)}
     path.write_text(json.dumps(src, indent=1, ensure_ascii=False) + "\n")
     nbdev_clean(fname=str(path))  # the repository's format: no execution counts, no object addresses
@@ -132,7 +150,7 @@ def execute(path, test, flags=()) -> tuple:
     client = NotebookClient(nb, timeout=limit, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
     try: client.execute()
-    except CellExecutionError as e: error = str(e).strip().splitlines()[-1]
+    except CellExecutionError as e: error = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip().splitlines()[-1])
     except CellTimeoutError: error = f"a cell ran past {limit} s (raise the limit in site/build.py if it was only slow)"
     with open(log, "a") as f: f.write(json.dumps({"event": "end", "error": error}) + "\n")  # it ran to its end
     if not test and not error: error = write_back(path, nb, before)

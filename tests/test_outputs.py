@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -92,3 +93,13 @@ def test_check_command_names_the_refresh(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "site/build.py"), "--check", "00"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode != 0 and "'00' names 2 lessons; one of: 00_data, 00a_loaders" in bad.stderr
+
+
+def test_outputs_are_written_without_machine_paths():
+    warning = f"{ROOT}/.venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py:83: FutureWarning: x\n"
+    out = BUILD.scrubbed({"output_type": "stream", "name": "stderr", "text": warning})
+    assert out["text"] == "torch/distributed/c10d_logger.py:83: FutureWarning: x\n"
+    shown = BUILD.scrubbed({"output_type": "execute_result", "data": {"text/plain": [f"PosixPath('{ROOT}/data')"]}})
+    assert shown["data"]["text/plain"] == "PosixPath('data')"
+    assert BUILD.scrub(f"caches in {ROOT}") == "caches in ."
+    assert BUILD.scrub(f"outputs in {tempfile.gettempdir()}/tmpab_12x/one/") == "outputs in <tmp>/one/"
