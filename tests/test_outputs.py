@@ -103,3 +103,16 @@ def test_outputs_are_written_without_machine_paths():
     assert shown["data"]["text/plain"] == "PosixPath('data')"
     assert BUILD.scrub(f"caches in {ROOT}") == "caches in ."
     assert BUILD.scrub(f"outputs in {tempfile.gettempdir()}/tmpab_12x/one/") == "outputs in <tmp>/one/"
+
+
+def test_check_cells_are_folded_in_jupyterlab_and_left_off_the_site():
+    unfolded, shown = [], []
+    for p in BUILD.lessons():
+        cells = json.loads(p.read_text())["cells"]
+        hidden = [c for c in cells if c["cell_type"] == "code" and re.match(r"#\|\s*hide\b", "".join(c["source"]))]
+        unfolded += [p.stem for c in hidden if not c["metadata"].get("jupyter", {}).get("source_hidden")]
+        page = BUILD.page_of(p)["cells"]
+        shown += [p.stem for c in page if re.match(r"#\|\s*hide\b", "".join(c["source"]))]
+        assert len(page) == len(cells) - len(hidden), p.stem
+    assert not unfolded, f"#| hide cells not collapsed (metadata jupyter.source_hidden): {unfolded}"
+    assert not shown
