@@ -74,10 +74,19 @@ def prepare_clm(ds, tokenizer, seq_len, # tokens per block
                   new_fingerprint=_prep_fingerprint(ds, tokenizer, "clm", seq_len, text_column))
 
 # %% ../nbs/00a_loaders.ipynb #1346cc87
-def prepare_mlm(ds, tokenizer, seq_len, # at most this many tokens per example
-                text_column="text") -> Dataset:
+def prepare_mlm(ds, tokenizer, seq_len, # at most this many tokens per example (exactly this many, packed)
+                text_column="text",
+                pack=False, # the causal LM's blocks instead: documents ended with eos, concatenated, cut
+               ) -> Dataset:
     "One example per (non-empty) document, truncated to `seq_len`, unpadded, with its special-tokens mask."
     _need_column(ds, text_column, "text")
+    if pack:  # RoBERTa's full blocks: no padding; the eos between documents is never masked
+        specials = set(tokenizer.all_special_ids)
+        def mark(batch):
+            return {"special_tokens_mask": [[int(t in specials) for t in ids] for ids in batch["input_ids"]]}
+        blocks = prepare_clm(ds, tokenizer, seq_len, text_column)
+        return blocks.map(mark, batched=True, desc="mark",
+                          new_fingerprint=_prep_fingerprint(ds, tokenizer, "mlm-packed", seq_len, text_column))
     def encode(batch):
         return dict(tokenizer(_nonempty(batch[text_column]), truncation=True, max_length=seq_len,
                               return_special_tokens_mask=True, return_token_type_ids=False))
@@ -196,7 +205,7 @@ def get_dataloaders(task,            # "clm", "mlm" or "cls"
     splits = split_dataset(ds, val_frac, seed, stratify_column=label_column if task == "cls" else None)
     def prepare(split):
         if task == "clm": return prepare_clm(split, tokenizer, seq_len, text_column)
-        if task == "mlm": return prepare_mlm(split, tokenizer, seq_len, text_column)
+        if task == "mlm": return prepare_mlm(split, tokenizer, seq_len, text_column, pack=True)
         return prepare_cls(split, tokenizer, seq_len, text_column, label_column)
     train, val = prepare(splits["train"]), prepare(splits["validation"])
     _loader_sizes_ok(train, val, batch_size, seq_len)

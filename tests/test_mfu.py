@@ -59,7 +59,8 @@ def test_meter_counts_processed_tokens(acc, task):
     tokens, squares = meter.seen.tolist()
     print(f"{task}: {tokens} tokens processed, {targets} targets")
     assert tokens == sum(lens) > targets  # clm: 64 a row (63 targets); mlm: ~15% of them; cls: one a row
-    if task != "clm": assert sum(lens) < sum(b["input_ids"].numel() for b in batches)  # padding not counted
+    if task == "cls": assert sum(lens) < sum(b["input_ids"].numel() for b in batches)  # padding not counted
+    else: assert sum(lens) == sum(b["input_ids"].numel() for b in batches)  # clm and mlm: packed, no padding
     want = sum(n * flops_per_token(model, n) for n in lens)  # PaLM's 6N + 12·L·H·Q·T, T = each sequence's length
     assert meter.flops(tokens, squares) == pytest.approx(want, rel=1e-12)
     rec = meter.stats()  # both numbers over the same seconds: their ratio is FLOPs per token over the peak
