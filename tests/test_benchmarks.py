@@ -320,3 +320,18 @@ def test_bucket_table_is_the_committed_run():
         assert len(r["times"]["old"]) == len(r["times"]["new"]) == bench.K * bench.ROUNDS
         assert r["new_over_old"] == round(statistics.median(r["times"]["new"])
                                           / statistics.median(r["times"]["old"]), 3)
+
+
+def test_tasks_bench_pairs_the_three_tasks(tmp_path):
+    "benchmarks/bench_tasks.py: real trainer runs of clm, mlm and cls in alternating rounds, every field written."
+    out = tmp_path / "tasks.json"
+    r = run_cli([PY, str(ROOT / "benchmarks" / "bench_tasks.py"), "--rounds", "2", "--steps", "3", "--skip", "1",
+                 "--seq_len", "16", "--batch_size", "2", "--out", str(out)], timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["order"] == [["clm", "mlm", "cls"], ["cls", "mlm", "clm"]]  # alternating
+    assert all(len(res["rates"][t]) == 2 and min(res["rates"][t]) > 0 for t in ("clm", "mlm", "cls"))
+    for name, t in (("mlm/clm", "mlm"), ("cls/clm", "cls")):
+        want = statistics.median(a / b for a, b in zip(res["rates"][t], res["rates"]["clm"]))
+        assert res["ratios"][name]["ratio"] == pytest.approx(want) and res["ratios"][name]["pairs"] == 2
+    assert "mlm/clm:" in r.stdout
