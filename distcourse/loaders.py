@@ -78,15 +78,9 @@ def prepare_mlm(ds, tokenizer, seq_len, # at most this many tokens per example (
                 text_column="text",
                 pack=False, # the causal LM's blocks instead: documents ended with eos, concatenated, cut
                ) -> Dataset:
-    "One example per (non-empty) document, truncated to `seq_len`, unpadded, with its special-tokens mask."
+    "One example per (non-empty) document, truncated, unpadded, with its special-tokens mask; or packed blocks."
     _need_column(ds, text_column, "text")
-    if pack:  # RoBERTa's full blocks: no padding; the eos between documents is never masked
-        specials = set(tokenizer.all_special_ids)
-        def mark(batch):
-            return {"special_tokens_mask": [[int(t in specials) for t in ids] for ids in batch["input_ids"]]}
-        blocks = prepare_clm(ds, tokenizer, seq_len, text_column)
-        return blocks.map(mark, batched=True, desc="mark",
-                          new_fingerprint=_prep_fingerprint(ds, tokenizer, "mlm-packed", seq_len, text_column))
+    if pack: return prepare_clm(ds, tokenizer, seq_len, text_column)  # the collator finds the eos: never masked
     def encode(batch):
         return dict(tokenizer(_nonempty(batch[text_column]), truncation=True, max_length=seq_len,
                               return_special_tokens_mask=True, return_token_type_ids=False))

@@ -199,9 +199,11 @@ def layouts(s: Shape, world, global_batch, seq_len, p: Profile,
     fits = lambda L: max(memory(s, L, seq_len, p.dtype, k)["total"] for k in {0, L.pp - 1}) * (  # fullest rank;
         L.world if p.shared else 1) <= p.mem_bytes  # on a shared machine all ranks fit its memory together
     return [L for L in out if fits(L) and not (course and trainer_accepts(L, model, seq_len, n_layer))]
+
 def printed_ms(r) -> float:
     "A prediction's step in milliseconds to 4 significant digits (0.04205, not 4.205e-05 s): the table's, plan()'s."
     return float(f"{r['step_s'] * 1e3:.4g}")
+
 def plan(s: Shape, world, global_batch, seq_len, p: Profile, **kw) -> list:
     "predict() of each feasible layout (`kw`: layouts' options), fastest (to 4 digits, as printed), smaller peak first."
     return sorted((predict(s, L, seq_len, p) for L in layouts(s, world, global_batch, seq_len, p, **kw)),

@@ -85,7 +85,7 @@ def test_check_catches_a_lesson_over_a_megabyte(tmp_path):
     assert any("MB with its outputs" in w for w in BUILD.problems(path))
 
 
-def test_check_command_names_the_refresh(tmp_path):
+def test_check_command_passes_fresh_lessons_and_refuses_an_ambiguous_name():
     ok = subprocess.run([sys.executable, str(ROOT / "site/build.py"), "--check", "00_data"], capture_output=True,
                         text=True, timeout=60)
     assert ok.returncode == 0, ok.stdout + ok.stderr
