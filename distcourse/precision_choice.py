@@ -105,9 +105,12 @@ def native_bf16(device_type) -> tuple: # "cpu" or "cuda"
     found = sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"})
     return bool(found), f"this CPU has {', '.join(found)}" if found else "this CPU has neither avx512_bf16 nor amx_bf16"
 
-def resolve_precision(choice, # "auto", "no", "bf16" or "fp16"
-                      device_type) -> tuple:
+def resolve_precision(choice,       # "auto", "no", "bf16" or "fp16"
+                      device_type,  # "cpu" or "cuda"
+                      measured=None, # () -> (precision, why) from a measurement on this CPU (04b); None: the rule
+                     ) -> tuple:
     "(Accelerate's mixed_precision for `choice`, why): auto is bf16 where it is native, else no (fp32)."
     if choice != "auto": return choice, "asked for"
+    if measured is not None and device_type == "cpu": return measured()
     ok, why = native_bf16(device_type)
     return ("bf16" if ok else "no"), f"auto: {why}"

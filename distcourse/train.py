@@ -24,8 +24,9 @@ from datasets.exceptions import DatasetsError
 from tqdm import tqdm as text_bar
 from tqdm.auto import tqdm
 
+from .auto import auto_precision, compile_choice, compiled_loss, measured
 from .checkpoint import DataStream, SaveError, check_output_dir, save_checkpoint
-from .config import COMPILE_MIN_STEPS, FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
+from .config import FINGERPRINT, Config, ConfigError, _resume_path, parse_args, validate
 from .data import get_tokenizer
 from .engine import make_engine
 from .evaluation import evaluate_distributed
@@ -33,7 +34,6 @@ from .expert_mesh import MOE_PRESETS
 from .launch import WorldSizeError, _launcher, cpu_threads, local_processes, make_accelerator
 from .outputs import Run, all_ranks_reach, push_to_hub, save_model
 from .loaders import get_dataloaders
-from .loop import loss_sum
 from .model import build_model, check_compat, num_params
 from .precision_choice import resolve_precision
 from .profiling import profiled
@@ -45,7 +45,7 @@ from .zero import check_stage
 def _start(cfg):
     "The Accelerator for `cfg`, after the checks that need it (number of processes, output directory)."
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    precision, _ = pick_precision(cfg.mixed_precision, device, launcher_precision())  # or a ConfigError
+    precision, _ = pick_precision(cfg.mixed_precision, device, launcher_precision(), lambda: auto_precision(cfg))
     try: acc = make_accelerator(mixed_precision=precision, log_with=resolve_tracker(cfg.tracker) or None,
                                 project_dir=cfg.output_dir)  # TensorBoard writes into output_dir/distcourse/
     except WorldSizeError as e:  # e.g. --num_processes 2 without --multi_gpu
@@ -102,19 +102,14 @@ def _setup(cfg, accelerator):
 # %% ../nbs/09a_train.ipynb #bae73bfd
 def choices(cfg, accelerator, steps) -> dict: # steps: the optimizer steps this run will train
     "What the run chose for speed (precision, torch.compile, threads per process) and why: for run.json."
-    device = accelerator.device.type
-    if cfg.compile != "auto": compiled, why = cfg.compile == "true", "asked for"
-    elif cfg.task != "clm" or cfg.zero_stage or cfg.mesh:
-        compiled, why = False, "auto: only a causal LM under DDP is compiled"
-    elif cfg.activation_checkpointing: compiled, why = False, "auto: not with activation checkpointing"
-    else:
-        compiled = steps >= COMPILE_MIN_STEPS
-        why = f"auto: {steps} steps to train, {'at least' if compiled else 'fewer than'} {COMPILE_MIN_STEPS}"
+    device, precision = accelerator.device.type, accelerator.mixed_precision
+    compiled = ({"value": cfg.compile == "true", "why": "asked for"} if cfg.compile != "auto" else
+                compile_choice(cfg, steps, precision, device))  # 04b: measured on a CPU
     threads = cpu_threads(local_processes(accelerator))[1] if device == "cpu" else "a GPU run"
-    return {"mixed_precision": {"value": accelerator.mixed_precision,
-                                "why": pick_precision(cfg.mixed_precision, device, launcher_precision())[1]},
-            "compile": {"value": compiled, "why": why},
-            "threads": {"threads_per_process": torch.get_num_threads(), "why": threads}}
+    why = pick_precision(cfg.mixed_precision, device, launcher_precision(), lambda: auto_precision(cfg))[1]
+    return {"mixed_precision": {"value": precision, "why": why}, "compile": compiled,
+            "threads": {"threads_per_process": torch.get_num_threads(), "why": threads},
+            "measured": measured(cfg)}  # the seconds a step behind auto's choices (04b), where it measured
 
 def _chose_line(c) -> str: # choices()
     "The line the trainer prints at the start and at the end of a run: what it chose for speed, and why."
@@ -142,10 +137,11 @@ def launcher_precision() -> tuple:
     value = "no" if value is False else value  # YAML 1.1 reads an unquoted no as False
     return (str(value), f"mixed_precision: {value} in {path}") if value is not None else (None, None)
 
-def pick_precision(choice, device_type, launcher=(None, None)) -> tuple: # launcher: launcher_precision()
+def pick_precision(choice, device_type, launcher=(None, None), # launcher: launcher_precision()
+                   measured=None) -> tuple: # measured: auto's measurement (04b), as resolve_precision takes it
     "(precision, why): `choice` (--mixed_precision), or the launcher's when `choice` is auto; a clash is refused."
     asked, where = launcher
-    if asked is None or asked == choice: return resolve_precision(choice, device_type)
+    if asked is None or asked == choice: return resolve_precision(choice, device_type, measured)
     if choice != "auto": raise ConfigError(f"--mixed_precision {choice} disagrees with the launcher's {where}; "
                                            "pass the same value to both, or leave one of them out")
     if asked not in ("no", "bf16", "fp16") or asked == "fp16" and device_type != "cuda":
@@ -191,7 +187,7 @@ def train(config=None, **overrides) -> dict:
     start, tokens, resumed = _resume(acc, cfg, stream, engine)
     chose = choices(cfg, acc, cfg.max_steps - start)
     if acc.is_main_process: print(_chose_line(chose), flush=True)  # at the start; the summary repeats it
-    if chose["compile"]["value"]: engine.loss_fn = torch.compile(loss_sum)  # model and loss: one graph
+    if chose["compile"]["value"]: engine.loss_fn = compiled_loss()  # model and loss: one graph (04b)
     run = Run(acc, cfg, start)
     start_tracking(acc, "distcourse", asdict(cfg))
     before = _before(acc, run, engine.hf_model(), val_dl, cfg, resumed)

@@ -1,4 +1,4 @@
-import json, os, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys, tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -9,6 +9,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Tests never reach the Hub: everything they use is built offline.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# `auto`'s measurements (lesson 04b) go to a cache of this session's own, not the user's
+os.environ.setdefault("DISTCOURSE_CACHE", str(Path(tempfile.mkdtemp(prefix="distcourse-auto-")) / "auto.json"))
 
 
 from distcourse.launch import free_port  # noqa: E402  (below the ephemeral ports gloo's connections take)
