@@ -67,10 +67,10 @@ class TrainerRuns:
 
 
 def job_config(b: Bench, steps, out_dir, compile="true", **kw):
-    "The trainer with its defaults (bf16 where native, AdamW, its schedule) on `b`'s model and shape, compiled."
+    "The trainer with its defaults (auto's measured precision, AdamW, its schedule) on `b`'s model and shape, compiled."
     from distcourse.train import Config
     return Config(model=b.model, batch_size=b.batch_size, seq_len=b.seq_len, max_steps=steps, tracker="none",
-                  output_dir=str(out_dir), compile=compile,  # "true": what auto picks for the main job's 450 steps
+                  output_dir=str(out_dir), compile=compile,  # "true": what auto measured for the main job's 450 steps
                   **{"eval_every": 0, "log_every": 5} | kw)
 
 
