@@ -265,7 +265,7 @@ def main(argv=None):
     "Entry point of `python -m distcourse.train` and `accelerate launch -m distcourse.train`."
     try: summary = train(parse_args(next_run(sys.argv[1:] if argv is None else list(argv))))
     except (ConfigError, SaveError) as e:  # a bad input (every rank alike), a save the disk refused
-        print(f"distcourse.train: error: {e}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"distcourse.train: error: {e}\n"); sys.stderr.flush()  # one write: ranks' lines never mix
         all_ranks_reach("refused")  # every rank prints its line before the launcher stops any
         sys.exit(2)
     if "push_error" in summary: sys.exit(1)  # trained and saved, but not uploaded: said on stderr

@@ -130,4 +130,7 @@ def test_a_failed_measurement_is_said_not_fatal(monkeypatch):
     monkeypatch.setattr(auto, "_rates", lambda cfg, compiled=None: broken(cfg, compiled) if compiled else
                         {"fp32": 1.0, "bf16": 0.5})
     got = auto.compile_choice(TINY, 10**4, "bf16", "cpu")
-    assert got["value"] is False and "compiling failed when measured (RuntimeError: no C++ compiler)" in got["why"]
+    assert got["value"] is False and "the measurement failed (RuntimeError: no C++ compiler)" in got["why"]
+    monkeypatch.setattr(auto, "_rates", broken)  # --mixed_precision given, the eager step cannot be measured
+    got = auto.compile_choice(TINY, 10**4, "no", "cpu")
+    assert got["value"] is False and "the measurement failed (ValueError: cannot build it)" in got["why"]
