@@ -75,8 +75,9 @@ def test_trainer_measures_then_reads(tmp_path):
     assert seen[0]["mixed_precision"]["value"] == faster_precision(a)[0]
 
 
-def test_launch_measures_once(tmp_path):
-    "Two processes of one launch: one precision measurement in the cache, at the threads each process computes with."
+def test_launch_shares_one_measurement(tmp_path):
+    """Two processes of one launch: the cache holds one precision measurement, taken at the threads each process
+    computes with (that only the first process to take the lock measures is test_processes_measure_once's)."""
     env = {"DISTCOURSE_CACHE": str(tmp_path / "auto.json")}
     proc = run_cli([*ACCELERATE, "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
                     "-m", "distcourse.train", *QUICK, "--output_dir", str(tmp_path / "two")], env=env)
