@@ -204,7 +204,7 @@ def wrapper_worker(out, fault=None):
                              for m in (ours, theirs)])
         for opt in opts: opt.step(); opt.zero_grad(set_to_none=True)
     if rank == 0: torch.save(res, out / "wrapper.pt")
-    del ddp
+    del ddp, model  # DDP (the loop's `model` holds it too) goes while its group lives, not as the function returns
     dist.barrier(); dist.destroy_process_group()
 
 
