@@ -77,15 +77,17 @@ def time_steps(model, batch, task,
 # %% ../nbs/04a_precision_choice.ipynb #a16d4184
 MATMULS = ("linear", "addmm", "matmul", "__matmul__", "mm", "bmm", "baddbmm", "scaled_dot_product_attention")
 
+# An attribute named `ops` beside the global `torch` would make cloudpickle, which sends a notebook's functions to
+# spawned processes (lesson 02a), take `torch.ops` for a submodule they use, and fail to pickle it.
 class _OpDtypes(TorchFunctionMode):
     "Counts (op name, output format) of the torch calls named in `ops`."
     def __init__(self, ops):
         super().__init__()
-        self.ops, self.counts = set(ops), Counter()
+        self.names, self.counts = set(ops), Counter()
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "")
-        if name in self.ops and isinstance(out, torch.Tensor): self.counts[(name, dtype_name(out.dtype))] += 1
+        if name in self.names and isinstance(out, torch.Tensor): self.counts[(name, dtype_name(out.dtype))] += 1
         return out
 
 @contextmanager

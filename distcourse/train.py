@@ -31,7 +31,8 @@ from .data import get_tokenizer
 from .engine import make_engine
 from .evaluation import evaluate_distributed
 from .expert_mesh import MOE_PRESETS
-from .launch import WorldSizeError, _launcher, cpu_threads, local_processes, make_accelerator
+from .launch import WorldSizeError, make_accelerator
+from .loop import _launcher, cpu_threads, local_processes
 from .outputs import Run, all_ranks_reach, push_to_hub, save_model
 from .loaders import get_dataloaders
 from .model import build_model, check_compat, num_params
