@@ -1,4 +1,4 @@
-"""What one GPU shows that the CPU cannot: the first thing to run where a single CUDA GPU is lent.
+"""What one GPU shows that the CPU cannot: the first thing to run on a machine with a single CUDA GPU.
 
     python benchmarks/gpu_one.py                          # every section; the runs in gpu_one_out/, gpu_one.json
     python benchmarks/gpu_one.py --only facts,train --json f.json   # some sections
@@ -12,11 +12,13 @@ Sections, each in its own processes (a section that fails is recorded and the ne
 - train: the main job (`python -m distcourse.train`, its defaults) at fp32, bf16, fp16 and `auto`: final perplexity,
   wall seconds, tokens/s and MFU from run.json and metrics.jsonl; then a larger shape for MFU;
 - plugins: Accelerate's FSDP2, DeepSpeed ZeRO-2 and ZeRO-3-offload configs on one process, the tiny model in fp32 for
-  20 steps, each step's loss and gradient norm against the plain one-process run of the same flags;
+  20 steps, compared with the plain one-process run of the same flags as gpu_check.py compares (each step's loss and
+  gradient norm, every parameter's gradient at step 1);
 - lessons: lesson 02a (its launches) and the `#| gpu` cells of lessons 04, 04a and 08, each lesson's code cells run
   top to bottom in one interpreter at test sizes (IN_TEST=1), as `nbdev_test --flags gpu` runs them.
 """
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("facts", "nccl", "forks", "train", "plugins", "lessons")
 LESSONS = ("02a_launch", "04_mixed_precision", "04a_precision_choice", "08_tracking")  # each launches, or has gpu cells
 TINY = ["--config", "configs/tiny.yaml", "--max_steps", "20", "--log_every", "1", "--eval_every", "0",
-        "--mixed_precision", "no", "--compile", "false", "--tracker", "none"]
+        "--grads_at", "1", "--mixed_precision", "no", "--compile", "false", "--tracker", "none"]
 
 
 def rate(n, dtype, tf32=False, reps=10) -> float:
@@ -147,19 +149,18 @@ def train(out) -> dict:
 
 
 def plugins(out, names=("fsdp2", "zero2", "zero3_offload")) -> dict:
-    "Accelerate's plugins on one process against the plain process, step by step."
+    "Accelerate's plugins on one process against the plain process, compared as gpu_check.py compares layouts."
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    spec.loader.exec_module(check := importlib.util.module_from_spec(spec))
     res = {"plain": trainer(TINY, out / "plain")}
     for name in names:
         r = trainer([*TINY, "--zero_stage", "0"], out / name,
                     launcher=("--config_file", f"configs/accelerate/{name}.yaml", "--num_processes", "1",
                               "--mixed_precision", "no"), timeout=240)
-        if "steps" in r and res["plain"].get("steps"):
-            pairs = list(zip(res["plain"]["steps"], r["steps"]))
-            r["worst_rel_loss"] = max(abs(b[1] - a[1]) / abs(a[1]) for a, b in pairs)
-            r["worst_rel_grad_norm"] = max((abs(b[2] - a[2]) / abs(a[2]) for a, b in pairs if a[2] and b[2]),
-                                           default=None)
+        if "error" not in r and "error" not in res["plain"]:
+            r["compared"] = check.compare(check.result(out / "plain"), check.result(out / name), 1e-5)
         res[name] = r
-        print("plugin", name, {k: r.get(k) for k in ("distributed_type", "worst_rel_loss", "error")}, flush=True)
+        print("plugin", name, {k: r.get(k) for k in ("distributed_type", "compared", "error")}, flush=True)
     return res
 
 

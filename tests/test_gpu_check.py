@@ -34,6 +34,16 @@ def test_compare_rejects_a_gradient_off_by_a_constant():
 
 
 @pytest.mark.fast
+def test_compare_finds_a_small_tensor_wrong_under_a_large_one():
+    "A bias 1e-6 the size of the largest gradient, doubled: 1e-6 of the whole norm, 100% of its own."
+    want = fake_result()
+    want["grads"]["ln.bias"] = want["grads"]["wte"][0, :4] * 1e-6
+    got = {**want, "grads": {**want["grads"], "ln.bias": want["grads"]["ln.bias"] * 2}}
+    res = gc.compare(want, got, 1e-5)
+    assert res["verdict"] == "DIFFER" and res["grads"] == pytest.approx(1.0), res
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_layout_trains_the_same_global_batch(world):
     for name, flags in gc.layouts(world).items():
