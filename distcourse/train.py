@@ -36,6 +36,7 @@ from .loop import _launcher, cpu_threads, local_processes
 from .outputs import Run, all_ranks_reach, push_to_hub, save_model
 from .loaders import get_dataloaders
 from .model import build_model, check_compat, num_params
+from .muon import check_muon
 from .precision_choice import resolve_precision
 from .profiling import profiled
 from .recompute import checkpoint_blocks
@@ -53,6 +54,7 @@ def _start(cfg):
         raise ConfigError(f"launch: {e}") from None
     try:
         check_stage(acc, cfg.zero_stage)
+        check_muon(acc, cfg.optimizer)  # not under DeepSpeed's or FSDP's plugin
         check_output_dir(cfg.output_dir)  # on every rank: all fail alike, before any data is read
     except ValueError as e: raise ConfigError(f"--{e}") from None
     check_deepspeed(acc, cfg.grad_accum)
