@@ -47,7 +47,7 @@ class Config:
     lr: float = 2e-3             # peak learning rate
     weight_decay: float = 0.1    # AdamW decay of matrices (not of biases and norm gains)
     warmup_steps: int = 30       # linear warmup, then the schedule's decay to 0 at max_steps
-    optimizer: str = "adamw"     # adamw, or muon (05aa: hidden matrices orthogonalised, AdamW for the rest; DDP only)
+    optimizer: str = "adamw"     # adamw, or muon (05aa: matrices orthogonalised, AdamW for the rest; DDP, ZeRO-2/3)
     schedule: str = "cosine"     # cosine (to 0 at max_steps) or wsd (flat at lr, then linear to 0 over the last 2/5)
     max_steps: int = 450         # optimizer steps (the default run: ~10 min on 2 CPU cores)
     max_grad_norm: float = 1.0   # clip the global gradient norm to this

@@ -17,7 +17,7 @@ from .gpt import load_into_hf
 from .loop import loss_sum, make_optimizer
 from .memory import peak_first_step, track_memory
 from .mesh import Mesh
-from .muon import MuonAdamW, make_schedule
+from .muon import make_schedule, prepare_muon
 from .recompute import activation_bytes
 from .reshard import MeshState, load_into_mesh, load_whole
 from .resume import ShardedState
@@ -64,9 +64,9 @@ class DataParallelEngine:
     def prepare(self, acc, train_dl, val_dl) -> tuple:
         "(train_dl, val_dl, memory): prepared with the model and AdamW at the ZeRO stage (or Muon); states saved."
         c, saved = self.cfg, self.activation_bytes(first_batch(train_dl))  # before sharding: the same on every rank
-        if getattr(c, "optimizer", "adamw") == "muon":  # 05aa: whole matrices, so DDP only (the config checks)
-            self.model, self.opt, train_dl, val_dl = acc.prepare(self.hf, MuonAdamW(self.hf, c.lr, c.weight_decay),
-                                                                 train_dl, val_dl)
+        if getattr(c, "optimizer", "adamw") == "muon":  # 05aa: DDP, or FSDP2 with each matrix on one owner
+            self.model, self.opt, train_dl, val_dl = prepare_muon(acc, self.hf, c.zero_stage, c.lr, c.weight_decay,
+                                                                  loaders=(train_dl, val_dl))
         else: self.model, self.opt, train_dl, val_dl = prepare_zero(acc, self.hf, c.zero_stage, c.lr,
                                                                     c.weight_decay, loaders=(train_dl, val_dl))
         self.sched = lr_schedule(self.opt, c)  # stepped once per step

@@ -4,18 +4,27 @@
 
 # %% auto #0
 __all__ = ['NS_COEFFICIENTS', 'HEADS', 'SCHEDULES', 'DECAY', 'OPTIMIZERS', 'newton_schulz', 'muon_params', 'MuonAdamW',
-           'make_schedule', 'muon_misfit', 'check_muon']
+           'make_schedule', 'shard_rows', 'ShardedMuon', 'prepare_muon', 'muon_sent_bytes', 'muon_state_bytes',
+           'muon_worker', 'muon_misfit', 'check_muon']
 
 # %% ../nbs/05aa_muon.ipynb #c055139e
+import copy
 import itertools
+import json
 from collections.abc import Mapping
+from functools import partial
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim._muon import _adjust_lr
 from transformers import get_wsd_schedule
 
-from .loop import make_scheduler
+from .loop import epochs, make_scheduler, setup
+from .memory import memory_report
 
 # %% ../nbs/05aa_muon.ipynb #e64937d0
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Jordan's quintic: steep at 0, so five iterations do
@@ -61,9 +70,10 @@ class _Joined(Mapping):
 class MuonAdamW(torch.optim.Optimizer):
     "Muon on the hidden matrices, AdamW on the rest: one optimizer to step, schedule and checkpoint."
     def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95),  # make_optimizer's AdamW
-                 adjust_lr_fn="match_rms_adamw"):  # Moonshot's: the update's RMS as AdamW's, so one lr serves both
+                 adjust_lr_fn="match_rms_adamw",  # Moonshot's: the update's RMS as AdamW's, so one lr serves both
+                 muon=torch.optim.Muon):  # the hidden matrices' optimizer: ShardedMuon on FSDP2's shards (below)
         hidden, rest = muon_params(model)
-        self.muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
+        self.muon = muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)
         self.adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
                                         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
                                        lr=lr, betas=betas)
@@ -79,11 +89,14 @@ class MuonAdamW(torch.optim.Optimizer):
         self.adamw.step()
         return loss
 
-    def state_dict(self) -> dict: return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+    # state_dict: torch's, over both optimizers' groups in order (what dcp's get_state_dict reads under FSDP2)
 
-    def load_state_dict(self, state):
-        self.muon.load_state_dict(state["muon"])
-        self.adamw.load_state_dict(state["adamw"])
+    def load_state_dict(self, state_dict):  # torch's form, keyed by the ids (or dcp's names) in its groups
+        groups, n = state_dict["param_groups"], len(self.muon.param_groups)
+        mine = {k for g in groups[:n] for k in g["params"]}  # Muon's parameters come first
+        for opt, groups, keep in ((self.muon, groups[:n], True), (self.adamw, groups[n:], False)):
+            opt.load_state_dict({"state": {k: v for k, v in state_dict["state"].items() if (k in mine) == keep},
+                                 "param_groups": groups})
         self.param_groups = self._groups()  # loading made new group dicts: the schedule must move those
 
 # %% ../nbs/05aa_muon.ipynb #06fb6b87
@@ -98,15 +111,123 @@ def make_schedule(optimizer, warmup_steps, max_steps,
     decay = max(min(round(DECAY * max_steps), max_steps - warmup_steps), 0)  # a run shorter than its warmup: none
     return get_wsd_schedule(optimizer, warmup_steps, decay, num_training_steps=max_steps, decay_type="linear")
 
+# %% ../nbs/05aa_muon.ipynb #b572bd3d
+def shard_rows(n, world) -> list:
+    "Rows of an n-row matrix on each of `world` ranks, as FSDP2 shards it (torch.chunk: ⌈n/world⌉ each, the rest last)."
+    k = -(-n // world)
+    return [max(0, min(k, n - r * k)) for r in range(world)]
+
+def _local(t): return t.to_local() if isinstance(t, DTensor) else t  # a DTensor's rows on this rank (a view)
+
+class ShardedMuon(torch.optim.Muon):
+    "torch.optim.Muon on FSDP2's row shards: matrix i orthogonalised whole on rank i mod N, its rows sent back."
+    sent_bytes = 0  # what this rank's all-to-alls have sent to other ranks (bf16), since it was made
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else torch.enable_grad()(closure)()
+        for group in self.param_groups:
+            ps, grads, bufs, updates = [], [], [], []
+            self._init_group(group, ps, grads, bufs)  # torch's: momentum buffers made like the gradients
+            mu, lr = group["momentum"], group["lr"]
+            for g, b in zip(map(_local, grads), map(_local, bufs)):  # element-wise: each rank on its rows
+                b.lerp_(g, 1 - mu)
+                updates.append(g.lerp(b, mu) if group["nesterov"] else b)
+            for p, o in zip(ps, self.orthogonalise(ps, updates, group)):
+                w = _local(p)
+                w.mul_(1 - lr * group["weight_decay"])
+                w.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))  # the whole matrix's shape
+        return loss
+
+    def orthogonalise(self, ps, updates, group) -> list:  # updates: this rank's rows of each parameter's
+        "This rank's rows of `newton_schulz` of each whole update: N matrices a round, matrix j of it on rank j."
+        ns = partial(newton_schulz, steps=group["ns_steps"], coefficients=group["ns_coefficients"], eps=group["eps"])
+        if not ps or not isinstance(ps[0], DTensor): return [ns(u) for u in updates]  # whole matrices here
+        if any(p.placements != (Shard(0),) for p in ps): raise ValueError(
+            "ShardedMuon takes FSDP2's row shards on one mesh dimension (fully_shard's default placement)")
+        pg = ps[0].device_mesh.get_group()
+        world, rank, out = dist.get_world_size(pg), dist.get_rank(pg), []
+        for i in range(0, len(ps), world):
+            mats, us = ps[i:i + world], [u.bfloat16() for u in updates[i:i + world]]
+            sent = [u.numel() for u in us] + [0] * (world - len(us))  # my rows of matrix j, to rank j
+            mine = mats[rank] if rank < len(mats) else None  # the matrix this rank owns this round
+            got = [r * mine.shape[1] for r in shard_rows(mine.shape[0], world)] if mine is not None else [0] * world
+            whole = us[0].new_empty(sum(got))
+            dist.all_to_all_single(whole, torch.cat([u.reshape(-1) for u in us]), got, sent, group=pg)  # gathers
+            o = ns(whole.view(mine.shape)).contiguous().view(-1) if mine is not None else whole
+            back = us[0].new_empty(sum(sent))
+            dist.all_to_all_single(back, o, sent, got, group=pg)  # each rank's rows of the owners' results
+            out += [b.view_as(u) for b, u in zip(back.split(sent[:len(us)]), us)]
+            self.sent_bytes += 2 * (sum(sent) - sent[rank] + sum(got) - got[rank])  # bf16, to the others
+        return out
+
+# %% ../nbs/05aa_muon.ipynb #f4c8d9f9
+def prepare_muon(accelerator, model, stage,
+                 lr, weight_decay=0.1,  # MuonAdamW's
+                 loaders=()):           # dataloaders to prepare too; returned after the optimizer
+    "(model, MuonAdamW, *loaders) for ZeRO `stage`: 0 DDP, 2 and 3 FSDP2 with ShardedMuon on the rows."
+    from distcourse.zero import check_stage, shard_model  # here: the configuration (09) imports this module
+    check_stage(accelerator, stage)
+    if stage == 0: return accelerator.prepare(model, MuonAdamW(model, lr, weight_decay), *loaders)
+    if stage == 1: raise ValueError("zero_stage=1 with optimizer muon: use zero_stage 2 or 3 (FSDP2, each matrix "
+                                    "orthogonalised on one owner rank), zero_stage 0 (DDP), or optimizer adamw")
+    model = shard_model(model, accelerator, reshard_after_forward=stage == 3)
+    opt = MuonAdamW(model, lr, weight_decay, muon=ShardedMuon)  # AdamW on the rest: its state on the shards
+    loaders = accelerator.prepare(*loaders) if loaders else ()
+    return (model, opt, *(loaders if isinstance(loaders, tuple) else (loaders,)))
+
+# %% ../nbs/05aa_muon.ipynb #a8fe0074
+def muon_sent_bytes(shapes, world) -> list:  # shapes: Muon's matrices (n, m), in the optimizer's order
+    "Bytes each rank sends per step in ShardedMuon's all-to-alls: its rows to each owner, an owner's rows back."
+    out = [0] * world
+    for i, (n, m) in enumerate(shapes):
+        rows = shard_rows(n, world)
+        for r in range(world): out[r] += 2 * m * (n - rows[r] if r == i % world else rows[r])
+    return out
+
+def muon_state_bytes(model, world=1) -> int:  # model: as one process holds it
+    "Bytes of MuonAdamW's state per rank, sharded over `world`: Muon's momentum, AdamW's two moments (fp32)."
+    hidden, rest = muon_params(model)
+    moments = (4 * sum(p.numel() for p in hidden) + 8 * sum(p.numel() for p in rest)) // world
+    return moments + 4 * len(rest)  # + AdamW's step count, a float32 scalar per tensor on every rank
+
+# %% ../nbs/05aa_muon.ipynb #4fe0f50b
+def muon_worker(out_dir, stages=(0, 2, 3), steps=3, batch_size=2, seq_len=32, lr=3e-3, model="tiny",
+                max_examples=200):
+    "Worker: MuonAdamW under each ZeRO stage from the same weights on the same batches; rank 0 writes muon.json."
+    from distcourse.ddp import full_state_dict, train_step  # the training stack, as in prepare_muon
+    from distcourse.launch import make_accelerator
+    acc = make_accelerator()
+    base, train_dl, _ = setup("clm", batch_size, seq_len=seq_len, max_examples=max_examples, model=model)
+    train_dl, res = acc.prepare(train_dl), {"world_size": acc.num_processes,
+                                            "shapes": [list(p.shape) for p in muon_params(base)[0]]}
+    w0 = full_state_dict(base)
+    for stage in stages:
+        net, opt = prepare_muon(acc, copy.deepcopy(base), stage, lr)
+        sched, batches, hist = make_scheduler(opt, 0, steps), epochs(train_dl), []  # no warmup: step 1 moves
+        for i in range(steps):
+            hist.append(train_step(acc, net, opt, sched, [next(batches)], "clm"))
+            if i == 0: update = {k: v - w0[k] for k, v in full_state_dict(acc.unwrap_model(net)).items()}
+        per_rank = [None] * acc.num_processes
+        mem = {"optimizer_bytes": memory_report(net, opt)["optimizer_bytes"],
+               "sent_bytes": getattr(getattr(opt, "optimizer", opt).muon, "sent_bytes", 0) / steps}  # DDP: none
+        dist.all_gather_object(per_rank, mem)
+        if acc.is_main_process: torch.save(update, Path(out_dir, f"update{stage}.pt"))
+        res[stage] = {"losses": [h["loss"] for h in hist], "grad_norms": [h["grad_norm"] for h in hist],
+                      "ranks": per_rank}
+    if acc.is_main_process: Path(out_dir, "muon.json").write_text(json.dumps(res))
+    dist.barrier()
+
 # %% ../nbs/05aa_muon.ipynb #78ca3612
 OPTIMIZERS = ("adamw", "muon")  # the trainer's --optimizer: 02's AdamW, or MuonAdamW
 
 def muon_misfit(cfg) -> str:  # cfg: the trainer's Config (optimizer, zero_stage, tp, pp, cp, model, mesh)
-    "Why `cfg`'s layout cannot run Muon ('' if it can): ZeRO and the mesh hold slices of the matrices."
-    if cfg.optimizer != "muon" or not (cfg.zero_stage or cfg.mesh): return ""
+    "Why `cfg`'s layout cannot run Muon ('' if it can): ZeRO-1 and the mesh (tp, pp, cp, experts) are not built."
+    if cfg.optimizer != "muon" or not (cfg.zero_stage == 1 or cfg.mesh): return ""
     return (f"with --zero_stage {cfg.zero_stage}, --tp {cfg.tp}, --pp {cfg.pp}, --cp {cfg.cp}, --model {cfg.model}: "
-            "ZeRO and the mesh hold slices of the matrices Muon orthogonalises whole (05aa); use DDP (--zero_stage 0, "
-            "a dense model, no tp, pp or cp), or --optimizer adamw")
+            "Muon runs on whole matrices under DDP and on one owner rank per matrix under ZeRO-2/3 (05aa), not on "
+            "ZeRO-1's flat slices or the mesh's pieces; use a dense model with no tp, pp or cp and --zero_stage 0, "
+            "2 or 3, or --optimizer adamw")
 
 def check_muon(accelerator, optimizer="muon"):  # optimizer: the trainer's --optimizer
     "Refuse Muon under Accelerate's DeepSpeed and FSDP plugins, which give each rank slices of the matrices."

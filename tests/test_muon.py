@@ -1,8 +1,9 @@
-"""Muon in the trainer (lesson 05aa): the layouts that hold slices of a matrix are refused before any work, with
-the flag to change; Accelerate's DeepSpeed and FSDP plugins are refused once the launcher is known; the optimizer
-keeps its parameter split, learning rates and state through a save and load. (That `--optimizer muon` on 2
-processes equals one process at every step, and a resume repeats its steps, is proved in tests/test_mutation.py:
-checks `dp2 muon` and `muon resume`, with three planted faults.)"""
+"""Muon in the trainer (lesson 05aa): DDP and ZeRO-2/3 accepted; ZeRO-1 and the mesh refused before any work, with
+the flags to change; Accelerate's DeepSpeed and FSDP plugins are refused once the launcher is known; the optimizer
+keeps its parameter split, learning rates and state through a save and load; ShardedMuon's owners, traffic and
+state on 2 and 4 real processes. (That `--optimizer muon` on 2 and 4 processes equals one process at every step,
+and a resume repeats its steps, is proved in tests/test_mutation.py: checks `dp2 muon`, `zero2 muon`, `zero3 muon
+4`, `muon resume` and `zero3 muon resume`, with six planted faults.)"""
 from types import SimpleNamespace
 
 import pytest
@@ -20,21 +21,23 @@ TINY = ["--config", str(ROOT / "configs/tiny.yaml"), "--optimizer", "muon"]
 
 
 @pytest.mark.parametrize("flags, world, names", [
-    (["--zero_stage", "1"], 2, "--zero_stage 1"), (["--zero_stage", "3"], 2, "--zero_stage 3"),
+    (["--zero_stage", "1"], 2, "--zero_stage 1"), (["--zero_stage", "2", "--tp", "2"], 4, "--tp 2"),
     (["--tp", "2"], 2, "--tp 2"), (["--pp", "2", "--grad_accum", "2"], 2, "--pp 2"),
     (["--model", "tiny-moe"], 1, "--model tiny-moe")])
 def test_muon_refuses_sliced_layouts(flags, world, names, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    with pytest.raises(ConfigError, match=f"--optimizer muon with .*{names}.*use DDP .* or --optimizer adamw"):
+    want = f"--optimizer muon with .*{names}.*--zero_stage 0, 2 or 3, or --optimizer adamw"
+    with pytest.raises(ConfigError, match=want):
         parse_args([*TINY, *flags, "--output_dir", str(tmp_path / "run")])
     cfg = parse_args([*TINY[:2], *flags, "--output_dir", str(tmp_path / "run")])  # AdamW: the same layout runs
     assert cfg.optimizer == "adamw"
 
 
-def test_muon_runs_under_ddp(monkeypatch, tmp_path):
+@pytest.mark.parametrize("stage", ["0", "2", "3"])
+def test_muon_runs_under_ddp_and_fsdp(stage, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = parse_args([*TINY, "--schedule", "wsd", "--output_dir", str(tmp_path / "run")])
-    assert (cfg.optimizer, cfg.schedule) == ("muon", "wsd")
+    cfg = parse_args([*TINY, "--schedule", "wsd", "--zero_stage", stage, "--output_dir", str(tmp_path / "run")])
+    assert (cfg.optimizer, cfg.schedule, cfg.zero_stage) == ("muon", "wsd", int(stage))
 
 
 @pytest.mark.parametrize("kind", [DistributedType.DEEPSPEED, DistributedType.FSDP])

@@ -8,7 +8,7 @@ gradient scaled by a constant (AdamW and clipping absorb it); a norm can. Most c
 trainer's command line against a one-process run of the package as it is; a few are a lesson's
 worker, which runs its own one-process reference beside the parallel version and writes both.
 
-The fast tier runs three faults (dp, tp, resume), their checks and `dp2 muon`, and reads every fault's text
+The fast tier runs three faults (dp, tp, resume), their checks and `zero2 muon`, and reads every fault's text
 (`test_fault_still_applies`, no run); the full tier runs every fault and every check."""
 import json
 import shutil
@@ -32,7 +32,7 @@ MOE = ["--model", "tiny-moe"]  # lesson 05m's ExpertMesh
 LOSS_TOL = NORM_TOL = 1e-5  # relative, per step (every path's norm is the root of summed squares)
 # Muon's Newton-Schulz runs in bf16 (torch's): the 2-rank sum's last-bit differences move its steps by ~1e-5
 # (1.3e-5 measured at step 3); the Muon faults below move them by 2e-2 and more
-TOLERANCES = {"dp2 muon": 1e-4}
+TOLERANCES = {"dp2 muon": 1e-4, "zero2 muon": 1e-4, "zero3 muon 4": 1e-4}
 # reference name -> one process's flags; "one" is saved at every step: `resume` resumes a copy of it
 # lesson 05aa's MuonAdamW and schedule; 4 steps, all of them changing the rate (warmup 3), so that a run resumed
 # at step 1 shows its step-3 learning rate in step 4's loss
@@ -56,7 +56,9 @@ LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
            "cp2 zero2": (2, ["--cp", "2", "--zero_stage", "2", *WHOLE], "one"),  # FSDP2 over dp x cp = 2 (07c)
            "dp2 pp2 zero2": (4, ["--pp", "2", "--pp_schedule", "1f1b", "--zero_stage", "2", *HALF], "one"),
            "cp2 zero1": (2, ["--cp", "2", "--zero_stage", "1", *WHOLE], "one"),  # 05a's flat AdamW over dp x cp
-           "dp2 muon": (2, [*MUON, *HALF], "one muon")}  # each rank orthogonalises the all-reduced gradient
+           "dp2 muon": (2, [*MUON, *HALF], "one muon"),  # each rank orthogonalises the all-reduced gradient
+           "zero2 muon": (2, ["--zero_stage", "2", *MUON, *HALF], "one muon"),  # 05aa: one owner per matrix
+           "zero3 muon 4": (4, ["--zero_stage", "3", *MUON, "--batch_size", "1", "--grad_accum", "2"], "one muon")}
 
 
 def fault(name, module, old, new, check, what):  # old: text that occurs exactly once in the module
@@ -224,8 +226,8 @@ FAULTS = [
           "self.left[i] = len(ps)", "zero2_by_hand",
           "a later micro-batch's reduce-scatter overwrites the slice: the first micro-batch lost"),
     fault("muon: Jordan's scale for Moonshot's", "muon",
-          "self.muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)",
-          'self.muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="original")',
+          "self.muon = muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn)",
+          'self.muon = muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="original")',
           "dp2 muon", "Muon's updates scaled by √max(1, A/B), not 0.2·√max(A, B): AdamW's learning rate then too small"),
     fault("muon: embeddings orthogonalised", "muon",
           "skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}", "skip = set()",
@@ -233,6 +235,22 @@ FAULTS = [
     fault("muon: loaded groups left unlinked", "muon", "self.param_groups = self._groups()  # loading",
           "pass  # loading", "muon resume",
           "after a resume the schedule moves the old group dicts: Muon and AdamW keep the saved learning rate"),
+    fault("sharded muon: each rank orthogonalises its rows", "muon",
+          "if not ps or not isinstance(ps[0], DTensor): return [ns(u) for u in updates]",
+          "return [ns(u) for u in updates]", "zero2 muon",
+          "ZeRO's naive Muon: Newton-Schulz on each rank's slice of a matrix, not on the whole gathered to its owner"),
+    fault("sharded muon: learning rate by the shard's shape", "muon",
+          'w.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))',
+          'w.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], w.shape))', "zero2 muon",
+          "the update scaled by 0.2·√max(rows here, columns): a tall matrix's rate halved at 2 ranks"),
+    fault("sharded muon: Nesterov's look-ahead dropped", "muon",
+          'updates.append(g.lerp(b, mu) if group["nesterov"] else b)', "updates.append(b)", "zero2 muon",
+          "the sharded step orthogonalises the momentum itself, not torch's look-ahead g + μ(B − g)"),
+    fault("muon: loaded state not split", "muon", 'mine = {k for g in groups[:n] for k in g["params"]}',
+          "mine = set()", "zero3 muon resume",
+          "a load hands every saved state to AdamW: Muon's momentum (dcp's shards) restarts from zero"),
+    fault("fp8 gather: each rank's own amax", "fp8", "dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)",
+          "pass", "fp8 gather", "each rank scales its rows by their own amax: the gathered bytes mix scales"),
 ]
 ROWS = []  # (fault, check, verdict, measured): the table printed after the module
 
@@ -309,6 +327,14 @@ def sp2(tmp, repo, env) -> tuple:
     return compare(want, got)
 
 
+def fp8_gather(tmp, repo, env) -> tuple:
+    "The float8 all-gather (lesson 04c's worker) on 2 processes: one process's FP8 bytes, half bf16's payload."
+    if failed := run_worker("fp8", "fp8_gather_worker", tmp, 2, repo, env): return "failed", failed
+    r = json.loads((tmp / "fp8_gather.json").read_text())
+    half = 2 * r["fp8_bytes"]["all_gather_into_tensor"] == r["bf16_bytes"]["all_gather_into_tensor"]
+    return "equal" if r["equal"] and half else "differ", f"bytes as one process's: {r['equal']}, half of bf16's: {half}"
+
+
 def reshard(tmp, repo, env) -> tuple:
     "A straight run on 2 processes x 4, its step-1 checkpoint resumed by 1 process x 8: steps 2-3 as straight."
     kw = dict(max_steps=3, save_every=1, max_examples=80)  # the global batch: 8 in both
@@ -321,14 +347,27 @@ def reshard(tmp, repo, env) -> tuple:
     return compare(straight[1:], resumed)  # another world size: the same sums in another order, not bit for bit
 
 
-def resume(tmp, repo, env, reference, flags=REFERENCES["one"]) -> tuple:  # flags: the reference's
-    "The reference without its checkpoints after step 1, resumed: steps 2-3 (or 2-4) repeat exactly."
-    again = tmp / "again"
-    shutil.copytree(reference, again)
+def cut_to_step_1(run, again):
+    "A copy of the output directory `run` at `again`, without its checkpoints after step 1."
+    shutil.copytree(run, again)
     for later in (again / "checkpoints").glob("step_*"):  # all but step 1's
         if later.name != "step_1": shutil.rmtree(later)
-    if failed := run_trainer(again, 1, flags, repo, env, resume=True): return "failed", failed
-    return compare(records(reference), records(again), exact=True)
+
+
+def resume(tmp, repo, env, reference, flags=REFERENCES["one"]) -> tuple:  # flags: the reference's
+    "The reference without its checkpoints after step 1, resumed: steps 2-3 (or 2-4) repeat exactly."
+    cut_to_step_1(reference, tmp / "again")
+    if failed := run_trainer(tmp / "again", 1, flags, repo, env, resume=True): return "failed", failed
+    return compare(records(reference), records(tmp / "again"), exact=True)
+
+
+def zero3_muon_resume(tmp, repo, env) -> tuple:
+    "Muon under ZeRO-3 on 2 processes, its step-1 checkpoint (dcp's shards) resumed on 2: steps 2-4 bit for bit."
+    flags = ["--zero_stage", "3", *MUON, *HALF, "--save_every", "1", "--keep_checkpoints", "4"]
+    if failed := run_trainer(tmp / "straight", 2, flags, repo, env): return "failed", failed
+    cut_to_step_1(tmp / "straight", tmp / "again")
+    if failed := run_trainer(tmp / "again", 2, flags, repo, env, resume=True): return "failed", failed
+    return compare(records(tmp / "straight"), records(tmp / "again"), exact=True)
 
 
 def tp2_to_one(tmp, repo, env, reference) -> tuple:
@@ -343,7 +382,8 @@ def tp2_to_one(tmp, repo, env, reference) -> tuple:
     return verdict, what
 
 
-WORKERS = {"zero2_by_hand": zero2_by_hand, "sp2": sp2, "reshard": reshard}  # each runs its own reference
+WORKERS = {"zero2_by_hand": zero2_by_hand, "sp2": sp2, "reshard": reshard,  # each runs its own reference
+           "zero3 muon resume": zero3_muon_resume, "fp8 gather": fp8_gather}
 # each resumes a checkpoint of its reference: (the check, the reference's name)
 RESUMES = {"resume": (resume, "one"), "tp2 to one": (tp2_to_one, "one"),
            "muon resume": (partial(resume, flags=REFERENCES["one muon"]), "one muon")}
@@ -410,7 +450,7 @@ def outcome(outcomes, key) -> tuple:
     return verdict, what
 
 
-FAST = {"dp2", "tp2", "resume", "dp2 muon", "dp: mean where sum", "tp: sum where mean",
+FAST = {"dp2", "tp2", "resume", "zero2 muon", "dp: mean where sum", "tp: sum where mean",
         "resume data off by one"}  # the fast tier
 
 
