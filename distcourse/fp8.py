@@ -73,22 +73,22 @@ def clamped(x, scale, fmt="e4m3") -> float:
 class FP8Matmul(torch.autograd.Function):
     "x @ w with both quantised to FP8 by `recipe`, the output's gradient too: its three matmuls in fp32."
     @staticmethod
-    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
     def forward(ctx, x, w, recipe, grad_fmt):
         r = RECIPES[recipe]
         xq, xs = quantize(x, r["x"])
         wq, ws = quantize(w, r["w"])
         ctx.save_for_backward(xq, xs, wq, ws)  # FP8: one byte a number kept for backward
         ctx.recipe, ctx.grad_fmt = recipe, grad_fmt
-        return dequantize(xq, xs, r["x"]) @ dequantize(wq, ws, r["w"])
+        with torch.autocast(x.device.type, enabled=False):  # fp32, whatever autocast runs around it (CUDA's too)
+            return dequantize(xq, xs, r["x"]) @ dequantize(wq, ws, r["w"])
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cpu")
     def backward(ctx, g):
         r, (xq, xs, wq, ws) = RECIPES[ctx.recipe], ctx.saved_tensors
         gq, gs = quantize(g.float(), r["x"], ctx.grad_fmt)  # per token (or block) like the activations
         gd = dequantize(gq, gs, r["x"])
-        return gd @ dequantize(wq, ws, r["w"]).T, dequantize(xq, xs, r["x"]).T @ gd, None, None
+        with torch.autocast(g.device.type, enabled=False):  # autograd casts each result back to its input's dtype
+            return gd @ dequantize(wq, ws, r["w"]).T, dequantize(xq, xs, r["x"]).T @ gd, None, None
 
 
 class FP8Linear(nn.Module):

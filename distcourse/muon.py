@@ -21,6 +21,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim._muon import _adjust_lr
+from torch.optim.optimizer import _to_scalar
 from transformers import get_wsd_schedule
 
 from .loop import epochs, make_scheduler, setup
@@ -67,6 +68,14 @@ class _Joined(Mapping):
     def __len__(self): return sum(len(o.state) for o in self.opts)
 
 
+def _joined_form(saved) -> dict:  # {"muon": Muon's state dict, "adamw": AdamW's}, as MuonAdamW saved before
+    "Two optimizers' state dicts as torch's one: AdamW's parameter ids numbered after Muon's."
+    k, (m, a) = sum(len(g["params"]) for g in saved["muon"]["param_groups"]), (saved["muon"], saved["adamw"])
+    return {"state": {**m["state"], **{i + k: v for i, v in a["state"].items()}},
+            "param_groups": [*m["param_groups"], *({**g, "params": [i + k for i in g["params"]]}
+                                                   for g in a["param_groups"])]}
+
+
 class MuonAdamW(torch.optim.Optimizer):
     "Muon on the hidden matrices, AdamW on the rest: one optimizer to step, schedule and checkpoint."
     def __init__(self, model, lr, weight_decay=0.1, betas=(0.9, 0.95),  # make_optimizer's AdamW
@@ -92,6 +101,7 @@ class MuonAdamW(torch.optim.Optimizer):
     # state_dict: torch's, over both optimizers' groups in order (what dcp's get_state_dict reads under FSDP2)
 
     def load_state_dict(self, state_dict):  # torch's form, keyed by the ids (or dcp's names) in its groups
+        if "muon" in state_dict: state_dict = _joined_form(state_dict)  # saved by an earlier version
         groups, n = state_dict["param_groups"], len(self.muon.param_groups)
         mine = {k for g in groups[:n] for k in g["params"]}  # Muon's parameters come first
         for opt, groups, keep in ((self.muon, groups[:n], True), (self.adamw, groups[n:], False)):
@@ -129,7 +139,7 @@ class ShardedMuon(torch.optim.Muon):
         for group in self.param_groups:
             ps, grads, bufs, updates = [], [], [], []
             self._init_group(group, ps, grads, bufs)  # torch's: momentum buffers made like the gradients
-            mu, lr = group["momentum"], group["lr"]
+            mu, lr = group["momentum"], _to_scalar(group["lr"])  # torch's: a tensor rate as a number
             for g, b in zip(map(_local, grads), map(_local, bufs)):  # element-wise: each rank on its rows
                 b.lerp_(g, 1 - mu)
                 updates.append(g.lerp(b, mu) if group["nesterov"] else b)
@@ -185,11 +195,11 @@ def muon_sent_bytes(shapes, world) -> list:  # shapes: Muon's matrices (n, m), i
         for r in range(world): out[r] += 2 * m * (n - rows[r] if r == i % world else rows[r])
     return out
 
-def muon_state_bytes(model, world=1) -> int:  # model: as one process holds it
-    "Bytes of MuonAdamW's state per rank, sharded over `world`: Muon's momentum, AdamW's two moments (fp32)."
+def muon_state_bytes(model, world=1, rank=0) -> int:  # model: as one process holds it
+    "Bytes of MuonAdamW's state on `rank` of `world` (FSDP2's rows): Muon's momentum, AdamW's two moments (fp32)."
     hidden, rest = muon_params(model)
-    moments = (4 * sum(p.numel() for p in hidden) + 8 * sum(p.numel() for p in rest)) // world
-    return moments + 4 * len(rest)  # + AdamW's step count, a float32 scalar per tensor on every rank
+    def mine(p): return shard_rows(p.shape[0], world)[rank] * (p.numel() // p.shape[0])  # this rank's numbers
+    return 4 * sum(map(mine, hidden)) + 8 * sum(map(mine, rest)) + 4 * len(rest)  # + AdamW's step counts
 
 # %% ../nbs/05aa_muon.ipynb #4fe0f50b
 def muon_worker(out_dir, stages=(0, 2, 3), steps=3, batch_size=2, seq_len=32, lr=3e-3, model="tiny",

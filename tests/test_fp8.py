@@ -83,6 +83,20 @@ def test_fp8_linears_swaps_the_blocks_matmuls_only():
     assert 1e-4 < rel(model(ids).logits.detach(), want) < 0.1
 
 
+@pytest.mark.fast
+def test_fp8_linear_of_an_nn_linear_and_under_autocast():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 48)  # weight stored 48 x 32: FP8Linear multiplies by its transpose
+    x = torch.randn(4, 5, 32, requires_grad=True)
+    y = FP8Linear(lin, "row")(x)
+    want = lin(x.detach())
+    assert y.shape == want.shape and 0.005 < rel(y.detach(), want.detach()) < 0.06
+    y.sum().backward()
+    assert x.grad.shape == x.shape and lin.weight.grad.shape == lin.weight.shape
+    with torch.autocast("cpu", torch.bfloat16):  # the matmul stays fp32 inside autocast
+        assert FP8Matmul.apply(torch.randn(8, 32), torch.randn(32, 16), "tensor", "e5m2").dtype == torch.float32
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_float8_all_gather_equals_one_process_at_half_the_bytes(world, tmp_path):
     run_worker("fp8", "fp8_gather_worker", tmp_path, num_processes=world, timeout=240)

@@ -242,7 +242,7 @@ FAULTS = [
     fault("sharded muon: learning rate by the shard's shape", "muon",
           'w.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))',
           'w.add_(o, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], w.shape))', "zero2 muon",
-          "the update scaled by 0.2·√max(rows here, columns): a tall matrix's rate halved at 2 ranks"),
+          "the update scaled by 0.2·√max(rows here, columns): the MLP's 256 × 64 output at 1/√2 of its rate on 2 ranks"),
     fault("sharded muon: Nesterov's look-ahead dropped", "muon",
           'updates.append(g.lerp(b, mu) if group["nesterov"] else b)', "updates.append(b)", "zero2 muon",
           "the sharded step orthogonalises the momentum itself, not torch's look-ahead g + μ(B − g)"),
