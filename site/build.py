@@ -163,6 +163,10 @@ def run_lessons(paths, test, flags, jobs) -> list:
     sizes = "IN_TEST sizes, in a scratch copy" if test else "real sizes, outputs written into nbs/"
     print(f"executing {len(paths)} lessons ({sizes}), {jobs} at a time", flush=True)
     failed, t0 = [], time.time()
+    # Side by side, idle OpenMP threads sleep: by default they spin a while, taking the core the other lesson's
+    # work needs on 2 cores (lessons 04c and 05aa together: 177 s spinning, 51 s passive; one after the other,
+    # spinning, 51 s; measured 2026-11-30 on 2 cores of an AMD EPYC). One lesson alone keeps the default.
+    if jobs > 1: os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     with ProcessPoolExecutor(jobs) as pool:
         runs = [pool.submit(execute, p, test, flags) for p in paths]
         for k, run in enumerate(as_completed(runs), 1):

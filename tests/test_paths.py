@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ROOT, print_table, run_cli, trainer_cmd, worst_rel, worst_tensor
+from conftest import ROOT, print_table, run_cli, side_by_side, trainer_cmd, worst_rel, worst_tensor
 
 TIMEOUT = 240  # seconds per launch: a hang fails
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--n_layer", "4", "--max_steps", "3", "--log_every", "1",
@@ -152,11 +152,11 @@ def runs(request, tmp_path_factory):
     if requested(request, "test_bf16_path_by_flashattention_rule"):
         bf16 = requested(request, "test_bf16_path_by_flashattention_rule")
         jobs |= BF16_REFERENCES | {n: BF16_PATHS[n] for n in bf16}
-    with ThreadPoolExecutor(2) as pool:  # a launch is mostly imports and process starts, one core each
+    with side_by_side(), ThreadPoolExecutor(2) as pool:  # a launch: mostly imports and process starts
         futures = {n: pool.submit(train, tmp, n, world, flags) for n, (world, flags) in jobs.items()}
         failed = {n: f.result() for n, f in futures.items()}
     done = {n: failed[n] or tmp / n.replace(" ", "_") for n in jobs}
-    with ThreadPoolExecutor(2) as pool:  # each from its source's step-1 checkpoint, at its target's flags
+    with side_by_side(), ThreadPoolExecutor(2) as pool:  # from its source's step-1 checkpoint, at its target's flags
         futures = {n: pool.submit(resume, tmp, n, done[source], *spec(target))
                    for n, (source, target) in resumes.items() if not isinstance(done[source], str)}
         failed = {n: f.result() for n, f in futures.items()}
