@@ -28,6 +28,7 @@ from .memory import STAGES
 from .muon import OPTIMIZERS, SCHEDULES, muon_misfit
 from .model import PRESETS
 from .profiling import step_range
+from .router import ROUTERS, ROUTING, router_misfit
 from .tracking import TRACKERS, resolve_tracker
 
 # %% ../nbs/09_config.ipynb #fedfc7ff
@@ -68,6 +69,8 @@ class Config:
     pp: int = 1                  # pipeline stages (the micro-batches of a step are its grad_accum micro-batches)
     pp_schedule: str = "1f1b"    # gpipe, 1f1b (grad_accum >= pp); PyTorch's interleaved, zb, zbv, dualpipev
     ep: int = 1                  # expert-parallel degree (tiny-moe, small-moe): 1/ep of the experts per rank
+    router: str = "softmax"      # MoE routing (05jb): softmax (05j's aux loss), st-moe (+ z-loss), deepseek (V3's bias)
+    dropless: bool = False       # MoE: no capacity, every token reaches its experts (05jb); false: the preset's 1.25
     tracker: str = "auto"        # auto (TensorBoard when installed), tensorboard, wandb or none; metrics.jsonl always
     push_to_hub: str = ""        # a Hub repo id to upload model/ to at the end (token from $HF_TOKEN only)
     output_dir: str = "runs/default"  # where rank 0 writes metrics, run.json, checkpoints, model/
@@ -81,7 +84,7 @@ class Config:
 SCHEDULE = ("lr", "warmup_steps", "max_steps", "schedule")  # warmup, then the decay to 0 at max_steps
 # What a resumed run shares with its checkpoint (and the global batch): data, model, updates; not the layout (05ja's)
 FINGERPRINT = ("task", "model", "n_layer", "dataset", "tokenizer", "seq_len", "seed", "ep", "max_examples",
-               "text_column", "label_column", "optimizer", "weight_decay", "max_grad_norm", *SCHEDULE)
+               "text_column", "label_column", "optimizer", "weight_decay", "max_grad_norm", *SCHEDULE, *ROUTING)
 
 # %% ../nbs/09_config.ipynb #c9d625f1
 class ConfigError(ValueError):
@@ -158,18 +161,14 @@ def _check_global_batch(path, state, cfg):
                       f"grad_accum x {what}); now {cfg.batch_size} x {cfg.grad_accum} x {dp} = {now}: "
                       f"resume with {' or '.join(fixes) or f'a split of {g}'}, or start fresh in another --output_dir")
 
-def _sizes(cfg):
-    "What the layout's checks read of the model (n_layer, n_head, n_embd, n_expert): a preset's, else None."
-    p = MOE_PRESETS.get(cfg.model) or PRESETS.get(cfg.model)  # validate allows n_layer on PRESETS' only
-    return p and SimpleNamespace(**{**p, "n_layer": cfg.n_layer or p["n_layer"]})
-
 def _check_layout(cfg):
     "The degrees and what the trainer composes: 05ja's `check`, the one place its rules live, before any process."
     kw = {f.name: getattr(cfg, f.name) for f in fields(ParallelDims) if f.name != "world"}
     d = ParallelDims(int(os.getenv("WORLD_SIZE", "1")), **kw)  # WORLD_SIZE: set by every launcher
-    p = (PRESETS.get(cfg.model) or MOE_PRESETS.get(cfg.model) or {}).get("dropout", 0.0)  # 0: not a preset (refused)
-    dropout = AutoConfig.for_model("gpt2").resid_pdrop if p is None else p  # a preset's None: GPT-2's default
-    try: check(d, _sizes(cfg), cfg.seq_len, cfg.grad_accum, cfg.model, cfg.task, dropout)
+    p = PRESETS.get(cfg.model) or MOE_PRESETS.get(cfg.model) or {}  # {}: not a preset (no sizes; dropout refused)
+    sizes = SimpleNamespace(**{**p, "n_layer": cfg.n_layer or p["n_layer"]}) if p else None  # n_layer, n_head...
+    dropout = AutoConfig.for_model("gpt2").resid_pdrop if p.get("dropout", 0) is None else p.get("dropout", 0.0)
+    try: check(d, sizes, cfg.seq_len, cfg.grad_accum, cfg.model, cfg.task, dropout)
     except ValueError as e:
         msg = str(e).replace("cp_impl=", "--cp_impl ")
         if msg.startswith("--"): raise ConfigError(msg) from None  # a composition rule names its own flags
@@ -177,7 +176,7 @@ def _check_layout(cfg):
         raise ConfigError(": ".join(filter(None, (d.flags(*DEGREES), msg + pipeline)))) from None
 
 _CHOICES = dict(task=TASKS, mixed_precision=PRECISIONS, compile=COMPILES, zero_stage=STAGES, cp_impl=CP_IMPLS,  # sets
-                pp_schedule=PP_SCHEDULES, tracker=TRACKERS, optimizer=OPTIMIZERS, schedule=SCHEDULES)
+                pp_schedule=PP_SCHEDULES, tracker=TRACKERS, optimizer=OPTIMIZERS, schedule=SCHEDULES, router=ROUTERS)
 
 def validate(cfg: Config) -> Config:
     "Raise `ConfigError` for anything wrong with `cfg` that can be seen before training starts."
@@ -210,7 +209,7 @@ def validate(cfg: Config) -> Config:
     step_range(cfg.profile_steps, cfg.max_steps, ConfigError)  # --profile_steps A:B
     _resume_path(cfg)
     _check_layout(cfg)
-    need(not (why := muon_misfit(cfg)), f"--optimizer muon {why}")
+    for why in (muon_misfit(cfg) and f"--optimizer muon {muon_misfit(cfg)}", router_misfit(cfg)): need(not why, why)
     out = Path(cfg.output_dir)
     need(cfg.resume or cfg.overwrite or not (out / "run.json").exists() and not (out / "checkpoints").exists(),
          f"--output_dir {out} already holds a run; pass --resume latest to continue it, "
@@ -219,7 +218,8 @@ def validate(cfg: Config) -> Config:
 
 # %% ../nbs/09_config.ipynb #2e0613cc
 _HELP = "python -m distcourse.train --help lists every flag and its type"
-_GROUPS = {"data": "task dataset tokenizer seq_len max_examples text_column label_column", "model": "model n_layer",
+_GROUPS = {"data": "task dataset tokenizer seq_len max_examples text_column label_column",
+    "model": "model n_layer router dropless",
     "optimisation": "batch_size grad_accum lr optimizer schedule weight_decay warmup_steps max_steps max_grad_norm",
     "parallelism": "zero_stage tp cp cp_impl pp pp_schedule ep activation_checkpointing mixed_precision compile",
     "checkpoints": "output_dir resume overwrite save_every keep_checkpoints push_to_hub",

@@ -19,13 +19,14 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from .context_parallel import toy_batches
-from .experts import AUX_WEIGHT, MOE_PRESETS, MoE, aux_loss, build_moe, expert_parallel
+from .experts import MOE_PRESETS, MoE, build_moe, expert_parallel
 from .experts import moe_flops_per_token, moe_layers, moe_params
 from .layout import ParallelDims, build_mesh
 from .loop import make_optimizer, make_scheduler
 from .memory import adamw_peak_bytes, peak_first_step
 from .mesh import Mesh
 from .recompute import checkpoint_blocks
+from .router import ROUTING, balance_step, build_router_moe, reset_tallies, router_loss
 from .tensor_parallel import gather_full_state, tensor_parallel
 
 # %% ../nbs/05m_expert_trainer.ipynb #3585e1cd
@@ -54,9 +55,10 @@ class ExpertMesh(Mesh):
         self._begin(cfg, {"dp": world // tp, "tp": tp, "pp": 1, "cp": 1}, autocast, "cpu" if device is None else device)
         self.ep, self.name, self.g = cfg.ep, cfg.model, expert_groups(world, tp, cfg.ep)
         self.dp_rank = dist.get_rank(self.g["data"]) if world > 1 else 0
+        self.routing = {k: getattr(cfg, k, v) for k, v in ROUTING.items()}  # 05jb's --router, --dropless
         with torch.random.fork_rng(devices=[]):  # the same whole model on every rank, and on one process
             torch.manual_seed(cfg.seed)
-            model = build_moe(cfg.model, vocab_size)
+            model = build_router_moe(cfg.model, vocab_size, **self.routing)
         self.config = model.config
         if tp > 1: model = tensor_parallel(model, self.g["tp"], cfg.seed)  # attention's heads; experts whole per rank
         self.rng = getattr(model, "rng", None)  # tp: the split heads' dropout state
@@ -75,11 +77,11 @@ class ExpertMesh(Mesh):
         return super()._forward(x, y)
 
     def _loss_sums(self, micro, n):  # micro: this rank's [(x, y)]; n: tokens of the global batch
-        "Backward of Σ token losses / n + AUX_WEIGHT · each sequence's aux / the step's sequences; this rank's share."
+        "Backward of Σ token losses / n + each sequence's router losses (05jb) / the step's sequences: this rank's."
         total = torch.zeros((), device=self.device)
         for x, y in micro:
             with self.autocast(): s = self._forward(x, y)
-            aux = AUX_WEIGHT * aux_loss(self.model) * (x.size(0) / self.seqs)  # aux: the mean over x's sequences
+            aux = router_loss(self.model) * (x.size(0) / self.seqs)  # weighted; the mean over x's sequences
             (s / n + aux).backward()
             total += s.detach() + aux.detach() * n  # Mesh.step's loss: total / n
         return total
@@ -110,6 +112,13 @@ def sum_grads(self: ExpertMesh, grads, total):  # as Mesh's: this rank's gradien
         dist.all_reduce(total, group=self.g["data"])  # the objective: every dp rank's share
     if self.copies is not None:  # the ep group's tokens are already in them (all-to-all's backward)
         _all_reduce_flat([p.grad for p in grads if id(p) in experts], self.copies)
+
+@patch
+def step(self: ExpertMesh, micro, max_grad_norm=1.0, on_grads=None) -> dict:  # as Mesh.step
+    "Mesh's step, then 05jb's `balance_step`: the step's loads summed over the data ranks, the biases moved."
+    reset_tallies(self.model)  # this step's tokens only
+    res = Mesh.step(self, micro, max_grad_norm, on_grads)
+    return {**res, "moe": balance_step(self.model, self.g["data"] if self.world > 1 else None)}
 
 @patch
 def split_over(self: ExpertMesh) -> dict:  # read by Mesh.grad_norm
@@ -193,7 +202,7 @@ class MoELM(nn.Module):
         self.mesh = mesh  # not a module: the trainer's tools see `whole`'s parameters
         with torch.device("meta"): self.whole = build_moe(mesh.name, mesh.config.vocab_size)  # sizes, no memory
         self.config = SimpleNamespace(model_type="distcourse-moe", preset=mesh.name, **asdict(mesh.config),
-                                      **{k: v for k, v in MOE_PRESETS[mesh.name].items()
+                                      **mesh.routing, **{k: v for k, v in MOE_PRESETS[mesh.name].items()
                                          if k not in asdict(mesh.config)})
 
     def forward(self, input_ids, **kw):  # evaluation's call (attention_mask, use_cache: not used)
@@ -223,7 +232,7 @@ def load_moe(path) -> nn.Module:
     "The MoE GPT a run saved in `path` (its model/), every expert on one process."
     c = json.loads(Path(path, "config.json").read_text())
     if c.get("model_type") != "distcourse-moe": raise ValueError(f"{path}: not a MoE model saved by the trainer")
-    model = build_moe(c["preset"], c["vocab_size"])
+    model = build_router_moe(c["preset"], c["vocab_size"], **{k: c[k] for k in ROUTING if k in c})
     model.load_state_dict(torch.load(Path(path, "model.pt"), weights_only=True))
     return model
 

@@ -160,7 +160,7 @@ def _loop(acc, cfg, run, meter, steps, start, tokens, stream, lr, evaluate) -> d
         tokens += res["tokens"]
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             run.log(step=step, loss=res["loss"], grad_norm=res["grad_norm"],  # before clipping
-                    lr=lr(), tokens=tokens, **meter.stats())
+                    lr=lr(), tokens=tokens, **meter.stats(), **res.get("moe", {}))  # a MoE's load (05jb)
             bar.set_postfix(loss=f"{res['loss']:.3f}")
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.max_steps:
             run.log(step=step, split="val", **evaluate())

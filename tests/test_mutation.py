@@ -29,6 +29,9 @@ ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--max_steps", "3", "--log_
 HALF, WHOLE = ["--batch_size", "2", "--grad_accum", "2"], ["--batch_size", "4", "--grad_accum", "2"]
 FOUR = ["--n_layer", "4"]  # PyTorch's looped and V schedules cut the blocks into pp x 2 chunks
 MOE = ["--model", "tiny-moe"]  # lesson 05m's ExpertMesh
+# lesson 05jb's routers: DeepSeek-V3's (its bias moved after each step by the global batch's load, which changes
+# the choices of steps 2 and 3), and ST-MoE's z-loss with no capacity (every token reaches its expert)
+DEEPSEEK, ST_DROPLESS = ["--router", "deepseek"], ["--router", "st-moe", "--dropless"]
 LOSS_TOL = NORM_TOL = 1e-5  # relative, per step (every path's norm is the root of summed squares)
 # Muon's Newton-Schulz runs in bf16 (torch's): the 2-rank sum's last-bit differences move its steps by ~1e-5
 # (1.3e-5 measured at step 3); the Muon faults below move them by 2e-2 and more
@@ -38,7 +41,8 @@ TOLERANCES = {"dp2 muon": 1e-4, "zero2 muon": 1e-4, "zero3 muon 4": 1e-4}
 # at step 1 shows its step-3 learning rate in step 4's loss
 MUON = ["--optimizer", "muon", "--schedule", "wsd", "--max_steps", "4", "--warmup_steps", "3"]
 REFERENCES = {"one": [*WHOLE, "--save_every", "1"], "one4": [*WHOLE, *FOUR], "one moe": [*WHOLE, *MOE],
-              "one muon": [*WHOLE, *MUON, "--save_every", "1", "--keep_checkpoints", "4"]}
+              "one muon": [*WHOLE, *MUON, "--save_every", "1", "--keep_checkpoints", "4"],
+              "one deepseek": [*WHOLE, *MOE, *DEEPSEEK], "one st-moe dropless": [*WHOLE, *MOE, *ST_DROPLESS]}
 # check name -> (processes, flags, the reference it is compared with): the trainer CLI
 LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
            "zero1": (2, ["--zero_stage", "1", *HALF], "one"),
@@ -53,6 +57,8 @@ LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
            "dp2 pp2": (4, ["--pp", "2", "--pp_schedule", "1f1b", *HALF], "one"),  # local / n: 1/2 (1 at dp 1)
            "ep2": (2, [*MOE, "--ep", "2", *HALF], "one moe"),  # 2 of the 4 experts per rank
            "tp2 moe": (2, [*MOE, "--tp", "2", *WHOLE], "one moe"),  # attention split, every expert on both ranks
+           "ep2 deepseek": (2, [*MOE, *DEEPSEEK, "--ep", "2", *HALF], "one deepseek"),
+           "ep2 st-moe dropless": (2, [*MOE, *ST_DROPLESS, "--ep", "2", *HALF], "one st-moe dropless"),
            "cp2 zero2": (2, ["--cp", "2", "--zero_stage", "2", *WHOLE], "one"),  # FSDP2 over dp x cp = 2 (07c)
            "dp2 pp2 zero2": (4, ["--pp", "2", "--pp_schedule", "1f1b", "--zero_stage", "2", *HALF], "one"),
            "cp2 zero1": (2, ["--cp", "2", "--zero_stage", "1", *WHOLE], "one"),  # 05a's flat AdamW over dp x cp
@@ -67,6 +73,10 @@ def fault(name, module, old, new, check, what):  # old: text that occurs exactly
 
 
 FAULTS = [
+    fault("router: bias by the rank's own load", "router", "if group is not None: dist.all_reduce(counts, group=group)",
+          "pass", "ep2 deepseek", "each rank moves its experts' biases by the load of its own sequences"),
+    fault("router: z-loss left out", "router", "(self.z_weight * z_loss(logits) if self.z_weight else 0)", "0",
+          "ep2 st-moe dropless", "ST-MoE's router z-loss not added (its flag silently ignored)"),
     fault("dp: mean where sum", "ddp", "scale = accelerator.num_processes * accelerator.grad",
           "scale = accelerator.grad", "dp2", "DDP's mean over ranks not undone (x N dropped)"),
     fault("dp: sum where mean", "zero", "reduce_scatter_single(out, flat.div_(self.world), group",
