@@ -13,7 +13,6 @@ from conftest import ACCELERATE, PY, free_port, run_cli
 from distcourse import auto
 from distcourse.auto import cached, faster_precision
 
-pytestmark = pytest.mark.fast
 QUICK = ["--model", "tiny", "--seq_len", "32", "--batch_size", "4", "--max_steps", "3", "--eval_every", "0",
          "--log_every", "1", "--max_examples", "300", "--tracker", "none"]
 TINY = SimpleNamespace(model="tiny", n_layer=0, task="clm", tokenizer="stdlib", batch_size=2, seq_len=16,
@@ -34,6 +33,7 @@ def test_processes_measure_once(tmp_path):
     assert len({(a["fp32"], a["bf16"], a["date"]) for a in answers}) == 1
 
 
+@pytest.mark.fast
 def test_bad_cache_is_set_aside(tmp_path, capsys):
     path = tmp_path / "auto.json"
     path.write_text("[1, 2]")  # JSON, but not a cache
@@ -43,6 +43,7 @@ def test_bad_cache_is_set_aside(tmp_path, capsys):
     assert cached({"what": "x"}, lambda: {"s": 2.0}, path)["s"] == 1.0  # kept: measured once
 
 
+@pytest.mark.fast
 def test_measuring_leaves_the_random_numbers(tmp_path, monkeypatch):
     "A run that measured draws what one that read the cache draws: the throwaway model's init is forked off."
     monkeypatch.setenv("DISTCOURSE_CACHE", str(tmp_path / "auto.json"))
@@ -54,6 +55,7 @@ def test_measuring_leaves_the_random_numbers(tmp_path, monkeypatch):
     assert auto.measured(TINY) == {"precision": rates}
 
 
+@pytest.mark.fast
 def test_auto_precision_flips_with_the_numbers(monkeypatch):
     "The choice follows the measurement, whichever way it goes (the rates stubbed: a fast bf16, a slow one)."
     for bf16, want in ((0.5, "bf16"), (2.0, "no"), (0.99, "no")):
@@ -88,6 +90,7 @@ def test_launch_shares_one_measurement(tmp_path):
     assert keys[0]["threads"] == res["threads_per_process"]
 
 
+@pytest.mark.fast
 def test_compiled_loss_compiles_after_a_dispatch_mode():
     """Dynamo skips for good a function first called under a dispatch mode (the trainer's first step runs in 05's
     PeakMemory): torch.compile's loss would never compile; compiled_loss runs eager there and compiles after."""
@@ -120,6 +123,7 @@ def test_trainer_compiles_when_it_says_so(tmp_path):
     assert graphs >= 1, proc.stdout[-2000:]
 
 
+@pytest.mark.fast
 def test_a_failed_measurement_is_said_not_fatal(monkeypatch):
     "A model that cannot be measured keeps 04a's rule for precision; a compile that fails keeps the run eager."
     def broken(cfg, compiled=None):

@@ -8,12 +8,12 @@ import pytest
 
 from conftest import PY, ROOT
 
-pytestmark = pytest.mark.fast
 _spec = importlib.util.spec_from_file_location("gpu_one", ROOT / "benchmarks" / "gpu_one.py")
 g1 = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(g1)
 
 
+@pytest.mark.fast
 def test_errors_are_found_before_the_launchers_report():
     printed = ("step 1\nTraceback (most recent call last):\n  File x\nValueError: the real cause\n"
                "distcourse.train: error: a refusal\n" + "=" * 700 + "\nChildFailedError:\n")
@@ -33,6 +33,7 @@ def test_sections_that_fail_are_recorded_and_the_next_runs(tmp_path):
     assert res["forks"]["fresh process"] == "0" and res["forks"]["after a CPU backward"] == "0"  # no GPU: no threads
 
 
+@pytest.mark.fast
 def test_the_lesson_runner_fails_on_a_failing_cell(tmp_path):
     nb = {"cells": [{"cell_type": "code", "source": ["x = 1\n"]}, {"cell_type": "markdown", "source": ["# t"]},
                     {"cell_type": "code", "source": ["#| slow\n", "raise ValueError('skipped: slow')\n"]},

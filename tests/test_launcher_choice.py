@@ -125,7 +125,6 @@ def test_the_same_command_twice(tmp_path):
     for d in ("default", "default-2"): assert (tmp_path / "runs" / d / "run.json").is_file(), d
 
 
-@pytest.mark.fast
 def test_a_second_run_goes_to_a_new_directory(tmp_path):
     """With runs/default holding a run, the same command trains into runs/default-2 and says so in its first line;
     the directory named with --output_dir is refused as before."""
