@@ -59,6 +59,7 @@ LAYOUTS = {"dp2": (2, HALF, "one"),  # 2 replicas of 2 x 2 sequences
            "tp2 moe": (2, [*MOE, "--tp", "2", *WHOLE], "one moe"),  # attention split, every expert on both ranks
            "ep2 deepseek": (2, [*MOE, *DEEPSEEK, "--ep", "2", *HALF], "one deepseek"),
            "ep2 st-moe dropless": (2, [*MOE, *ST_DROPLESS, "--ep", "2", *HALF], "one st-moe dropless"),
+           "tp2 deepseek": (2, [*MOE, *DEEPSEEK, "--tp", "2", *WHOLE], "one deepseek"),  # a tp pair: one batch's load
            "cp2 zero2": (2, ["--cp", "2", "--zero_stage", "2", *WHOLE], "one"),  # FSDP2 over dp x cp = 2 (07c)
            "dp2 pp2 zero2": (4, ["--pp", "2", "--pp_schedule", "1f1b", "--zero_stage", "2", *HALF], "one"),
            "cp2 zero1": (2, ["--cp", "2", "--zero_stage", "1", *WHOLE], "one"),  # 05a's flat AdamW over dp x cp
