@@ -16,16 +16,6 @@ os.environ.setdefault("DISTCOURSE_CACHE", str(Path(tempfile.mkdtemp(prefix="dist
 from distcourse.launch import free_port  # noqa: E402  (below the ephemeral ports gloo's connections take)
 
 
-def side_by_side():
-    """Environment for launches run two at a time (a ThreadPoolExecutor(2) of runs): OpenMP threads that sleep
-    when idle. By default each process's idle OpenMP threads spin for a while, which on 2 cores shared by two jobs
-    takes the core from the other job's work: the fast tier's test_paths took 137 s spinning and 109 s passive, two
-    lessons side by side 177 s and 51 s (measured 2026-11-30 on 2 cores of an AMD EPYC). One job alone runs faster
-    spinning, so only side-by-side launches get it."""
-    from unittest import mock
-    return mock.patch.dict(os.environ, {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "passive")})
-
-
 def site_build():
     "site/build.py as a module (the lessons' freshness check, the site's pages)."
     import importlib.util

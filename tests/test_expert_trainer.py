@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import ROOT, grads_diff, run_cli, side_by_side, trainer_cmd, worst_rel
+from conftest import ROOT, grads_diff, run_cli, trainer_cmd, worst_rel
 from distcourse.config import ConfigError, parse_args
 from distcourse.expert_mesh import ep_trainer_worker, load_moe
 from distcourse.experts import MOE_PRESETS, moe_flops_per_token, moe_params
@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
     def run(name, world, flags):
         return run_cli([*trainer_cmd(world), *ARGS, *flags, "--output_dir", str(tmp / name)], timeout=300)
-    with side_by_side(), ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool:
         procs = {"one": pool.submit(run, "one", 1, ["--batch_size", "4", "--save_every", "4"]), "ep2": pool.submit(run, "ep2", 2, EP2)}
         for name, proc in procs.items(): assert proc.result().returncode == 0, (name, proc.result().stderr[-3000:])
     return tmp

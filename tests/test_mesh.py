@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import ACCELERATE, ROOT, free_port, grads_diff, run_cli, side_by_side, trainer_cmd, worst_rel
+from conftest import ACCELERATE, ROOT, free_port, grads_diff, run_cli, trainer_cmd, worst_rel
 from distcourse.config import ConfigError, parse_args
 from distcourse.launch import launch
 from distcourse.loop import count_targets, loss_sum, make_optimizer, make_scheduler
@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     def run(name, world, flags):  # two runs at a time: much of a run is imports and process starts, one core each
         saves = [] if world == 1 else ["--save_every", "5" if name in RESUMED else "10" if name in SAVED else "0"]
         return run_cli([*trainer_cmd(world), *ARGS, *flags, *saves, "--output_dir", str(tmp / name)], timeout=300)
-    with side_by_side(), ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool:
         procs = {name: pool.submit(run, name, *layout) for name, layout in {"one": (1, []), **MESHES}.items()}
         for name, proc in procs.items(): assert proc.result().returncode == 0, (name, proc.result().stderr[-3000:])
     return tmp

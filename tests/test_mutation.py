@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PY, ROOT, copy_env, fresh_copy, print_table, run_cli, side_by_side, trainer_cmd
+from conftest import PY, ROOT, copy_env, fresh_copy, print_table, run_cli, trainer_cmd
 
 TIMEOUT = 240  # seconds per launch: a hang fails
 # 3 steps of the tiny model (4 blocks or tiny-moe where a layout says so); the global batch is 4 x 2 sequences
@@ -449,7 +449,7 @@ def outcomes(request, tmp_path_factory):
             mutate(repo, f)
             return run_check(f["check"], tmp, refs, repo, copy_env(repo))
         except Exception as e: return "error", e  # raised by its own test (a failed reference too)
-    with side_by_side(), ThreadPoolExecutor(2) as pool:  # first in, first started: the references before any check
+    with ThreadPoolExecutor(2) as pool:  # first in, first started: the references before any check
         refs = {name: pool.submit(reference, refs_dir, name) for name in needed}
         futures = {(kind, name): pool.submit(one, kind, name, f, refs) for kind, name, f in jobs}
         return {key: future.result() for key, future in futures.items()}

@@ -12,13 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ROOT, print_table, run_cli, side_by_side, trainer_cmd, worst_rel, worst_tensor
+from conftest import ROOT, print_table, run_cli, trainer_cmd, worst_rel, worst_tensor
 
 TIMEOUT = 240  # seconds per launch: a hang fails
 ARGS = ["--config", str(ROOT / "configs/tiny.yaml"), "--n_layer", "4", "--max_steps", "3", "--log_every", "1",
         "--eval_every", "0", "--seq_len", "32", "--max_examples", "300", "--tracker", "none", "--grads_at", "1"]
 WHOLE, HALF = ["--batch_size", "4", "--grad_accum", "4"], ["--batch_size", "2", "--grad_accum", "4"]
 MOE = ["--model", "tiny-moe", "--n_layer", "0"]  # its preset depth (2 blocks)
+DEEPSEEK, ST_DROPLESS = ["--router", "deepseek"], ["--router", "st-moe", "--dropless"]
 FP32, BF16 = ["--mixed_precision", "no"], ["--mixed_precision", "bf16"]
 AC = ["--activation_checkpointing", "true"]
 # Measured 2026-11-28 on 2 CPU cores, fp32: losses within 2e-7, norms within 2e-7 relative, every tensor of step 1
@@ -73,9 +74,14 @@ PATHS = {
     # of one tp index, experts' gradients summed over their copies, the norm counting each expert once
     "ep2 tp2": (4, [*MOE, *HALF, "--ep", "2", "--tp", "2"], "one moe", "full"),
     "ep2 ac": (2, [*MOE, *HALF, "--ep", "2", *AC], "one moe", "full"),  # each block's all-to-alls replayed
+    # lesson 05jb's routers: DeepSeek-V3's sigmoid gates and bias (moved by the loads summed over both ranks), and
+    # ST-MoE's z-loss with no capacity; step 1's gradients reach the router through the new gates and losses
+    "ep2 deepseek": (2, [*MOE, *HALF, "--ep", "2", *DEEPSEEK], "one deepseek", "full"),
+    "ep2 st-moe dropless": (2, [*MOE, *HALF, "--ep", "2", *ST_DROPLESS], "one st-moe dropless", "full"),
     "pp2 zbv zero2": (2, [*WHOLE, "--pp", "2", "--pp_schedule", "zbv", "--zero_stage", "2"], "one", "fast"),  # dp 1
 }
-REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE])}
+REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE]), "one deepseek": (1, [*MOE, *WHOLE, *DEEPSEEK]),
+              "one st-moe dropless": (1, [*MOE, *WHOLE, *ST_DROPLESS])}
 # Equal to one process holds with a flag silently ignored too: a rank must keep fewer bytes for backward than the
 # same layout without the flag (run.json's activation_bytes): recomputation keeps block inputs only; under
 # PyTorch's schedules tp keeps its heads' and MLP columns' share, cp its chunk of the sequence.
@@ -152,11 +158,11 @@ def runs(request, tmp_path_factory):
     if requested(request, "test_bf16_path_by_flashattention_rule"):
         bf16 = requested(request, "test_bf16_path_by_flashattention_rule")
         jobs |= BF16_REFERENCES | {n: BF16_PATHS[n] for n in bf16}
-    with side_by_side(), ThreadPoolExecutor(2) as pool:  # a launch: mostly imports and process starts
+    with ThreadPoolExecutor(2) as pool:  # a launch is mostly imports and process starts, one core each
         futures = {n: pool.submit(train, tmp, n, world, flags) for n, (world, flags) in jobs.items()}
         failed = {n: f.result() for n, f in futures.items()}
     done = {n: failed[n] or tmp / n.replace(" ", "_") for n in jobs}
-    with side_by_side(), ThreadPoolExecutor(2) as pool:  # from its source's step-1 checkpoint, at its target's flags
+    with ThreadPoolExecutor(2) as pool:  # each from its source's step-1 checkpoint, at its target's flags
         futures = {n: pool.submit(resume, tmp, n, done[source], *spec(target))
                    for n, (source, target) in resumes.items() if not isinstance(done[source], str)}
         failed = {n: f.result() for n, f in futures.items()}
