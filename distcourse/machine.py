@@ -40,11 +40,14 @@ class Profile:
     cores: int = 1         # shared: the cores the processes share
     adamw_s: float = 0.0   # shared: seconds of AdamW per parameter on one core (elsewhere: not counted)
     source: str = ""
+    mem_bw: float = 0.0    # a device's memory bandwidth, bytes/s (09bb prices matmuls and kernels by it; 0: not)
 PROFILES = {  # dense bf16 peak (08's DATASHEET_FLOPS), NVLink one way (half the both-ways figure), a NIC per GPU;
-    "h100-node": Profile("h100-node", 8, 989.4e12, 0.75, 80e9, (5e-6, 450e9), (10e-6, 50e9), source="NVIDIA "
-                         "H100 SXM5 80GB datasheet: 989 TFLOP/s, NVLink 4 900 GB/s; 400 Gb/s NDR InfiniBand"),
-    "a100-node": Profile("a100-node", 8, 312e12, 0.8, 80e9, (5e-6, 300e9), (10e-6, 25e9), source="NVIDIA "
-                         "A100 SXM4 80GB datasheet: 312 TFLOP/s, NVLink 3 600 GB/s; 200 Gb/s HDR InfiniBand")}
+    "h100-node": Profile("h100-node", 8, 989.4e12, 0.75, 80e9, (5e-6, 450e9), (10e-6, 50e9), mem_bw=3.35e12,
+                         source="NVIDIA H100 SXM5 80GB datasheet: 989 TFLOP/s, HBM3 3.35 TB/s, NVLink 4 900 GB/s; "
+                         "400 Gb/s NDR InfiniBand"),
+    "a100-node": Profile("a100-node", 8, 312e12, 0.8, 80e9, (5e-6, 300e9), (10e-6, 25e9), mem_bw=2.039e12,
+                         source="NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s, HBM2e 2,039 GB/s, NVLink 3 600 GB/s; "
+                         "200 Gb/s HDR InfiniBand")}
 # assumed, not datasheet figures: the latencies (5 us in a node, 10 us across) and the matmul fraction
 
 # %% ../nbs/09b_machine.ipynb #154a1e1d
@@ -131,7 +134,7 @@ def load_profile(name) -> Profile:
     if not path.exists(): raise ValueError(f"--profile {name}: not {', '.join(PROFILES)}, measured, nor a JSON file")
     return Profile(**json.loads(path.read_text()))  # its links as [latency, bandwidth] lists
 
-def collective_s(p: Profile, collective, nbytes, n, across=False, world=None) -> float:
+def collective_s(p: Profile, collective, nbytes, n, across=False, world=None, per_node=1) -> float:
     "Seconds of one `collective` of `nbytes` in a group of `n` (of `world` processes): measured table, else α-β."
     if n <= 1 or nbytes <= 0: return 0.0
     if p.comm:  # the table of the run's processes (or the nearest measured), rows of this group size
@@ -141,4 +144,5 @@ def collective_s(p: Profile, collective, nbytes, n, across=False, world=None) ->
         return predicted_all_reduce_s([{**r, "collective": "all_reduce"} for r in rows
                                        if r["collective"] == collective and r["group"] == g], nbytes)
     (latency, bandwidth), hops = p.inter if across else p.intra, {"all_reduce": 2 * (n - 1), "send_recv": 1}
+    if across: bandwidth = min(p.intra[1], per_node * bandwidth)  # a NIC per GPU: each member's channels cross
     return hops.get(collective, n - 1) * latency + bus_factor(collective, n) * nbytes / bandwidth  # ring

@@ -28,6 +28,7 @@ class Shape:
     top_k: int = 1             # experts per token
     moe_every: int = 1         # every k-th block's MLP is a MoE
     megatron: bool = False     # tp also splits the tables and the sequence (05d); the course's tp copies them
+    flash: bool = True         # attention in one fused kernel (09bb); False: scores kept (Megatron-LM, 2021)
     gpt2 = property(lambda self: not (self.d_ff or self.n_kv_head), doc="GPT-2-like: no SwiGLU, no GQA")
     def config(self) -> GPTConfig:
         return GPTConfig(self.vocab_size, self.n_positions, self.n_layer, self.n_head, self.n_embd)
