@@ -96,7 +96,8 @@ def mesh_layouts(path=HERE / "layouts.json"):
     data = json.loads(path.read_text())
     for r in data["runs"]:
         lay = r["layout"]
-        if r["refused"] or lay["tp"] * lay["pp"] * lay["cp"] == 1 or lay["activation_checkpointing"]: continue
+        split, plain = lay["tp"] * lay["pp"] * lay["cp"] > 1, not (lay["activation_checkpointing"] or lay["zero_stage"])
+        if r["refused"] or not split or not plain: continue  # ZeRO on the mesh: accepted since this ran
         yield r["world"], lay, r["step_s"], data
 
 
