@@ -1,6 +1,7 @@
 """The committed benchmarks/layouts.json (written by benchmarks/layouts.py, which launches and is not run here) has
 the fields the planner reads: every layout tried, each refused one with the trainer's line, each accepted one with
-its seconds per step and a peak per rank (or why its schedule does not measure one). No speed is asserted."""
+its seconds per step and a peak per rank (or why its schedule does not measure one), or the error a launch stopped
+with. No speed is asserted."""
 import json
 import math
 
@@ -35,6 +36,9 @@ def test_runs():
             assert r["refused"].startswith("distcourse.train: error: --"), where  # the trainer's own line
             continue
         if r.get("not_run") and r["world"] != 4: continue  # the measurement window ended (world 4 runs first)
+        if r.get("error"):  # accepted, launched, and stopped: recorded with what it stopped with, never timed
+            assert r["step_s"] is None and r["error"].split(":")[0] in ("ChildFailedError", "SignalException"), where
+            continue
         assert r["parallel"]["dp"] == lay["dp"] and r["parallel"]["cp_impl"] == lay["cp_impl"], where
         assert r["step_s"] > 0 and math.isfinite(r["step_s"]), where
         assert len(r["step_s_all"]) >= DATA["steps"] - DATA["warmup_steps_left_out"], where
