@@ -99,7 +99,10 @@ REFUSED = {  # (in use, refused with): why. The trainer's composition rules: the
     **{("experts", k): _EXPERTS_WHY for k in ("cp", "pp", "zero_stage", "task")},
     **{(k, "compile"): "the mesh's and the experts' steps (05k, 05m) run eager: the trainer compiles DDP's loss only "
                        "(09a), not tp's, cp's or ep's collectives inside their autograd functions" for k in
-       ("mesh", "experts")}}
+       ("mesh", "experts")},
+    ("zero3", "zero_bubble"): "PyTorch's zero-bubble schedules run each weight gradient (W) apart from its backward, "
+                              "and with FSDP2 resharding after the forward the last stage's parameters end the step "
+                              "with no gradient (measured with torch 2.13; ZeRO-2 keeps the weights gathered)"}
 
 
 def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:
@@ -112,6 +115,9 @@ def in_use(d: ParallelDims, model=None, task="clm", dropout=0.0) -> dict:
         out["model"] = (f"--model {model}", f"--model one of {presets}")
     if d.zero_stage: out["zero_stage"] = (f"--zero_stage {d.zero_stage}", "--zero_stage 0")
     if d.zero_stage == 1: out["zero1"] = ("--zero_stage 1", "--zero_stage 2")
+    if d.zero_stage == 3: out["zero3"] = ("--zero_stage 3", "--zero_stage 2")
+    if d.pp > 1 and d.pp_schedule in ("zb", "zbv"):
+        out["zero_bubble"] = (f"--pp_schedule {d.pp_schedule}", "--pp_schedule interleaved or dualpipev")
     if d.activation_checkpointing: out["activation_checkpointing"] = ("--activation_checkpointing true",
                                                                       "--activation_checkpointing false")
     if task != "clm": out["task"] = (f"--task {task}", "--task clm")

@@ -216,13 +216,13 @@ class RNGTracker:
 
     def replay(self):
         "A context that runs with the states as they are now (for recomputation), then puts the later ones back."
-        saved = dict(self.states)
-        @contextmanager
-        def again():
-            later, self.states = self.states, dict(saved)
-            try: yield
-            finally: self.states = later
-        return again()
+        return _Replay(self, dict(self.states))
+
+class _Replay:
+    "Entered once per recomputation: a split backward (zero bubble's B, then its W) recomputes twice, alike."
+    def __init__(self, tracker, saved): self.tracker, self.saved = tracker, saved
+    def __enter__(self): self.later, self.tracker.states = self.tracker.states, dict(self.saved)
+    def __exit__(self, *exc): self.tracker.states = self.later
 
 def tp_seed(seed, tp_rank, step=0) -> int:  # the run's seed; this rank's index in its tp group
     "The seed of a tp rank's tracked state: Megatron's seed + 2718 + rank, moved on a prime stride per step."

@@ -34,6 +34,8 @@ CASES = {  # a row of REFUSED -> (processes, flags) that use exactly that pair
     ("experts", "task"): (1, ["--model", "tiny-moe", "--task", "mlm"]),
     ("mesh", "compile"): (2, ["--tp", "2", "--compile", "true"]),
     ("experts", "compile"): (1, ["--model", "tiny-moe", "--compile", "true"]),
+    ("zero3", "zero_bubble"): (4, ["--model", "tiny", "--n_layer", "4", "--pp", "2", "--pp_schedule", "zbv",
+                                   "--grad_accum", "4", "--zero_stage", "3"]),
 }
 
 

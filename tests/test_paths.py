@@ -58,6 +58,8 @@ PATHS = {
     # PyTorch's schedules over tp copies and cp chunks: the V splits backward into input and weight gradients
     # around tp's all-reduces and cp's ring
     "tp2 pp2 zbv": (4, [*WHOLE, "--tp", "2", "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),
+    # both: each split backward recomputes a block twice (B, then W), replaying tp's dropout state both times
+    "tp2 pp2 zbv ac": (4, [*WHOLE, "--tp", "2", "--pp", "2", "--pp_schedule", "zbv", *AC], "one", "full"),
     "cp2 pp2 zbv": (4, [*WHOLE, "--cp", "2", "--pp", "2", "--pp_schedule", "zbv"], "one", "full"),  # chunks on T/cp
     # ZeRO on the mesh: FSDP2 over the data axes (07c's apply_fsdp), dp or dp x cp, around tp's and cp's collectives
     # (cp 2 on 2 processes: dp 1, so FSDP2 shards over the flattened dp x cp = 2 ranks)
@@ -86,7 +88,7 @@ REFERENCES = {"one": (1, WHOLE), "one moe": (1, [*MOE, *WHOLE]), "one deepseek":
 # same layout without the flag (run.json's activation_bytes): recomputation keeps block inputs only; under
 # PyTorch's schedules tp keeps its heads' and MLP columns' share, cp its chunk of the sequence.
 LESS = {"ep2 ac": "ep2", "tp2 ac": "tp2", "tp2 cp2 ac": "tp2 cp2", "pp2 zbv ac": "pp2 zbv", "tp2 pp2 zbv": "pp2 zbv",
-        "cp2 pp2 zbv": "pp2 zbv"}
+        "cp2 pp2 zbv": "pp2 zbv", "tp2 pp2 zbv ac": "tp2 pp2 zbv"}
 # ZeRO on the mesh holds less, not only the same numbers: FSDP2 over 2 data ranks leaves each rank half of AdamW's
 # moments (run.json's first-step peak, OPT; measured 2026-11-29: dp2 pp2 9.37 MB -> dp2 pp2 zero3 4.69 MB a rank);
 # ZeRO-1 halves the moments but adds 05a's flat fp32 slice of the weights (measured: 0.88 of cp2's, 0.83 of dp2 tp2's).
