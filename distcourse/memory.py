@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['STAGES', 'zero_bytes', 'memory_report', 'track_memory', 'PeakMemory', 'peak_first_step', 'adamw_peak_bytes',
-           'zero_peak_bytes']
+           'zero_peak_bytes', 'check_prediction']
 
 # %% ../nbs/05_memory.ipynb #7d817869
 import math
@@ -162,3 +162,17 @@ def zero_peak_bytes(model,             # the unsharded fp32 model, as built
              else [[shard([p]) if stage >= 2 else p.numel() for p in g] for g in groups])
     opt |= {k: v for k, v in adamw_peak_bytes(sizes).items() if k != "exp_avg, exp_avg_sq"}  # = zero_bytes' share
     return {"PARAM": params, "GRAD": grads, "OPT": opt}
+
+# %% ../nbs/05_memory.ipynb #c6c0049e
+def check_prediction(guess,     # your prediction, made before running the cell (None: only show the answer)
+                     answer,    # what the cell computed or measured
+                     rel=0.01,  # how close counts as right, relative (0: exactly, for a count)
+                     unit=""):  # printed after the answer
+    "A problem's verdict: print the answer; an AssertionError if `guess` is more than `rel` away from it."
+    shown = f"{answer:.6g}" + (f" {unit}" if unit else "")
+    if guess is None: print(f"answer: {shown} (put your prediction in `guess` and run the cell again)")
+    elif not math.isclose(guess, answer, rel_tol=rel): raise AssertionError(
+        f"answer: {shown}; your {guess:.6g} is {guess / answer - 1:+.1%} off (right: "
+        + (f"within {rel:.0%})" if rel else "exactly)"))
+    else: print(f"answer: {shown}: your prediction is right")
+    return answer
