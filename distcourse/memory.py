@@ -168,9 +168,10 @@ def check_prediction(guess,     # your prediction, made before running the cell 
                      answer,    # what the cell computed or measured
                      rel=0.01,  # how close counts as right, relative (0: exactly, for a count)
                      unit=""):  # printed after the answer
-    "A problem's verdict: print the answer; an AssertionError if `guess` is more than `rel` away from it."
+    "A problem's verdict: right, or an AssertionError with the answer; no guess yet: the answer stays hidden."
     shown = f"{answer:.6g}" + (f" {unit}" if unit else "")
-    if guess is None: print(f"answer: {shown} (put your prediction in `guess` and run the cell again)")
+    if guess is None: print("put your prediction in `guess` and run the cell again (the worked answer is folded "
+                            "below the cell)")
     elif not math.isclose(guess, answer, rel_tol=rel): raise AssertionError(
         f"answer: {shown}; your {guess:.6g} is {guess / answer - 1:+.1%} off (right: "
         + (f"within {rel:.0%})" if rel else "exactly)"))

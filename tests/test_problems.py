@@ -1,19 +1,23 @@
 """The parallelism lessons' problem sets ("predict, then the cell measures"), checked against the planner's own
-functions (lessons 09b, 09bb, 09c): the answer each `Problem k` cell printed in its committed real-size output
-equals the planner's, and plausible wrong answers are refused by `check_prediction`, as a learner's would be."""
+functions (lessons 09b, 09bb, 09c): the answer each `Problem k` cell hands `check_prediction` (its cells run here as
+a learner runs them) equals the planner's, and plausible wrong answers are refused by `check_prediction`, as a
+learner's would be."""
 import json
 import re
+from functools import lru_cache
+from unittest.mock import patch
 
 import pytest
 
 from conftest import ROOT
 from distcourse.comm import bus_factor
 from distcourse.machine import Profile, collective_s
+import distcourse.memory as memory_module
 from distcourse.memory import check_prediction
 from distcourse.plan import Layout, bubble, dp_messages, held, memory, rank_params
 from distcourse.sizes import Shape
 
-pytestmark = pytest.mark.fast  # reading notebooks and arithmetic: well under a second
+pytestmark = pytest.mark.fast  # the problem cells are arithmetic on the lessons' functions: seconds
 
 GPT2 = Shape(name="gpt2-small", n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
 PSI = 124_439_808  # GPT-2 small's parameters, as the problems state them
@@ -54,20 +58,36 @@ PROBLEMS = {
 }
 
 
-def answers(name) -> dict:
-    "{k: (the number `Problem k`'s cell printed after 'answer:', its rel)} from the lesson's committed outputs."
-    cells, out, k = json.loads((ROOT / "nbs" / f"{name}.ipynb").read_text())["cells"], {}, None
-    for cell in cells:
+def problem_cells(name) -> dict:
+    "{k: the source of `Problem k`'s code cell} of a lesson, in order."
+    out, k = {}, None
+    for cell in json.loads((ROOT / "nbs" / f"{name}.ipynb").read_text())["cells"]:
         text = "".join(cell["source"])
         if cell["cell_type"] == "markdown" and (m := re.match(r"### Problem (\d+)", text)): k = int(m[1])
-        elif cell["cell_type"] == "code" and k is not None:
-            printed = "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
-            assert "check_prediction(guess" in text, f"{name} problem {k}: its cell does not check a prediction"
-            found = re.search(r"answer: ([-+0-9.e]+)", printed)
-            assert found, f"{name} problem {k}: no answer in its committed output (run python site/build.py {name})"
-            rel = re.search(r"rel=([0-9.e-]+)", text)
-            out[k], k = (float(found[1]), float(rel[1]) if rel else 0.01), None
+        elif cell["cell_type"] == "code" and k is not None: out[k], k = text, None
     return out
+
+
+@lru_cache(maxsize=None)
+def answers(name) -> dict:
+    """{k: (the answer `Problem k`'s cell hands check_prediction, its rel)}: the lesson's imports, then its problem
+    cells in order, run as a learner runs them with `guess = None` (the answer is not printed: it is recorded)."""
+    cells = json.loads((ROOT / "nbs" / f"{name}.ipynb").read_text())["cells"]
+    module = re.search(r"#\| default_exp (\S+)", "\n".join("".join(c["source"]) for c in cells))[1]
+    imports = [line for c in cells if c["cell_type"] == "code" for line in "".join(c["source"]).splitlines()
+               if re.match(r"(from \S+ )?import [^(]+$", line)]  # one-line imports, exported cells' and others'
+    calls = []
+    def record(guess, answer, rel=0.01, unit=""): calls.append((answer, rel))
+    ns = {}
+    exec("\n".join([*imports, f"from distcourse.{module} import *"]), ns)
+    with patch.object(memory_module, "check_prediction", record):
+        for k, code in problem_cells(name).items():
+            assert "check_prediction(guess" in code, f"{name} problem {k}: its cell does not check a prediction"
+            ns["check_prediction"] = record
+            exec(code, ns)
+            assert ns["guess"] is None, f"{name} problem {k}: committed with a guess filled in"
+            assert len(calls) == k, f"{name} problem {k}: check_prediction called {len(calls) - k + 1} times"
+    return dict(enumerate(calls, 1))
 
 
 CASES = [(name, k) for name, probs in PROBLEMS.items() for k in probs]
