@@ -60,8 +60,9 @@ def held(schedule, pp, m, stage=0, v=2) -> float:
 def rank_params(s: Shape, L: Layout, stage=0) -> int:
     "Parameters `stage`'s ranks hold: their blocks' 1/tp (and 1/ep of the experts), the tables on the end stages."
     blk, C, first, last, blocks = block_params(s), s.n_embd, stage == 0, stage == L.pp - 1, -(-s.n_layer // L.pp)
-    n = blocks * ((blk["split"] + blk["mlp"]) / L.tp + blk["copied"])
-    if s.n_expert > 1: n += blocks // s.moe_every * ((s.n_expert // L.ep - 1) * blk["expert"] / L.tp + C * s.n_expert)
+    moe, et = (blocks // s.moe_every if s.n_expert > 1 else 0), L.tp if s.megatron else 1  # 05m: experts whole on tp
+    n = blocks * (blk["split"] / L.tp + blk["copied"]) + (blocks - moe) * blk["mlp"] / L.tp + moe * blk["mlp"] / et
+    if moe: n += moe * ((s.n_expert // L.ep - 1) * blk["expert"] / et + C * s.n_expert)
     table = s.vocab_size * C / (L.tp if s.megatron else 1)
     n += (table + s.n_positions * C) * first + (table * (not s.gpt2 or L.pp > 1) + (1 + s.gpt2) * C) * last
     return round(n)  # GPT-2 ties the output to the input table: the last stage holds a copy (05e)
