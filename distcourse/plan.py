@@ -126,8 +126,10 @@ def step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     act = D * mb * C  # one micro-batch's hidden states on a rank; its keys and values, a tp rank's heads
     kv = 2 * act * (s.n_kv_head or s.n_head) / s.n_head / L.tp
     out["tp"] = (4 + 2 * (ac is True)) * n * m * coll("all_reduce", act, L.tp, 1)  # 2 a forward, 2 a backward
-    out["cp"] = n * m * (3 * (L.cp - 1) * max(0.0, coll("send_recv", kv, L.cp, L.tp) - attn / L.cp)  # behind
-                         if L.cp_impl == "ring" else 8 * coll("all_to_all", act / L.tp, L.cp, L.tp))  # a chunk
+    hops = 3 * L.cp - 2 + (L.cp - 1) * (ac is True)  # 05h: K/V forward; K/V again, dK/dV home (+ recomputed)
+    out["cp"] = n * m * (hops * max(0.0, coll("send_recv", kv, L.cp, L.tp) - attn / L.cp)  # behind a chunk
+                         if L.cp_impl == "ring" else 4 * sum(coll("all_to_all", x, L.cp, L.tp) for x in (act / L.tp,
+                                                             kv / 2)))  # 05i: q, out, their grads; k, v, theirs
     send, v = coll("send_recv", act / sp, L.pp, L.tp * L.cp), 1 if L.pp_schedule in ("gpipe", "1f1b") else 2
     out["pp"] = 2 * (v * L.pp - 1) * send + 2 * m * max(0.0, send - fwd) if L.pp > 1 else 0.0  # fill and drain
     n_moe = (s.n_expert > 1) * n // s.moe_every  # dispatch and combine, forward and backward
@@ -174,8 +176,8 @@ def shared_step_time(s: Shape, L: Layout, seq_len, p: Profile) -> dict:
     slowest = (body / W + heads / (L.dp * L.cp * L.tp)) / core / threads / (1 - f)  # a last stage, and its bubble
     c = lambda name, nbytes, n: collective_s(p, name, nbytes, n, world=W)
     blocks, act = -(-s.n_layer // L.pp), D * b * t * C
-    cp = (2 * (L.cp - 1) * c("send_recv", 2 * act / L.tp, L.cp) if L.cp_impl == "ring"
-          else 8 * c("all_to_all", act / L.tp, L.cp))
+    hops = 3 * L.cp - 2 + (L.cp - 1) * bool(L.activation_checkpointing)  # 05h's lean ring, recomputed or not
+    cp = hops * c("send_recv", 2 * act / L.tp, L.cp) if L.cp_impl == "ring" else 8 * c("all_to_all", act / L.tp, L.cp)
     pp = 2 * m * min(2, L.pp - 1) * c("send_recv", act, L.pp) + s.gpt2 * c("all_reduce", D * s.vocab_size * C, 2)
     return {"compute": machine, "bubble": max(0.0, slowest - machine),
             "tp": (4 * blocks * m + 1) * c("all_reduce", act, L.tp), "cp": blocks * m * cp * (L.cp > 1),
