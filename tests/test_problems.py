@@ -17,7 +17,7 @@ from distcourse.machine import PROFILES, Profile, collective_s
 import distcourse.memory as memory_module
 from distcourse.memory import check_prediction
 from distcourse.plan import Layout, bubble, dp_messages, held, layouts, memory, rank_params, step_time
-from distcourse.sizes import Shape, flops_token, n_params
+from distcourse.sizes import Shape, block_params, flops_token, n_params
 
 pytestmark = pytest.mark.fast  # the problem cells are arithmetic on the lessons' functions: seconds
 
@@ -58,6 +58,43 @@ PROBLEMS = {
         2: (lambda: held("1f1b", 4, 16, stage=1), [4, 16, 2]),  # stage 0's; GPipe's; p - stage - 1
         3: (lambda: 8 * 0.030 / (1 - bubble("1f1b", 4, 8)), [0.24, 0.36, 0.27])},  # no bubble; a slot more; fwd
 }
+
+
+# 05aa_muon: what Muon takes (09ba's block_params), its state under DDP (09c's memory), Newton-Schulz on an H100
+# (09bb's matmul_s, h100-node); the planner has no Muon model, so the hidden matrices are counted from its sizes
+
+
+def muon_hidden(s) -> int:
+    "Parameters Muon takes: each block's q/k/v, attention-out and two MLP matrices (12 C²), no biases, no tables."
+    C, blk = s.n_embd, block_params(s)
+    return s.n_layer * (blk["split"] - 3 * C + blk["mlp"] - 4 * C)  # c_attn's and c_fc's biases split off
+
+
+def muon_ns_block_s(s, p, steps=5) -> float:
+    "Seconds of one block's Newton-Schulz matmuls: X (m x n) wide, X Xᵀ, A·A, B·X per iteration, bf16."
+    C = s.n_embd
+    shapes = [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)]  # transformers' Conv1D: (in, out)
+    return sum(steps * (matmul_s(p, m, m, n) + matmul_s(p, m, m, m) + matmul_s(p, m, n, m))
+               for m, n in map(sorted, shapes))  # a tall matrix transposed
+
+
+PROBLEMS["05aa_muon"] = {
+    1: (lambda: muon_hidden(GPT2), [124_318_464,  # every 2-D weight: the embeddings counted too
+                                    85_017_600,  # the biases counted with their matrices
+                                    49_545_216,  # c_attn and c_fc alone: the output projections forgotten
+                                    39_505_152]),  # AdamW's share, not Muon's
+    2: (lambda: memory(GPT2, Layout(dp=8), 1024, "fp32")["optimizer"] - 4 * muon_hidden(GPT2),
+        [8 * PSI,  # AdamW's: Muon given two moments
+         4 * PSI,  # one number a parameter everywhere: AdamW's second moment forgotten
+         8 * 39_505_152,  # Muon's momentum forgotten
+         (8 * PSI - 4 * 84_934_656) / 8]),  # divided by the 8 GPUs: ZeRO's sharding, not DDP's
+    3: (lambda: muon_ns_block_s(GPT2, PROFILES["h100-node"]),
+        [702.018e-6,  # the tall MLP c_proj not transposed: a 3072 x 3072 Gram matrix
+         146.508e-6,  # A·A dropped: a cubic, two matmuls an iteration
+         219.762e-6,  # A·(A·X) formed instead of (A·A)·X
+         128.195e-6]),  # the datasheet's full 989.4 TFLOP/s: the 75% forgotten
+}
+
 
 
 # 05b_recompute: the planner's activations (09c's memory), GPT-2 small as the trainer runs it on dp alone
@@ -412,6 +449,11 @@ def answers(name) -> dict:
 
 
 CASES = [(name, k) for name, probs in PROBLEMS.items() for k in probs]
+
+
+def test_every_parallelism_lesson_has_a_problem_set():
+    "Lessons 05 to 05m each have their problems checked here: a new parallelism lesson brings its own."
+    assert sorted(PROBLEMS) == sorted(p.stem for p in (ROOT / "nbs").glob("05*.ipynb"))
 
 
 @pytest.mark.parametrize("name", PROBLEMS)
