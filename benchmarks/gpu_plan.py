@@ -79,7 +79,7 @@ def kernels(p, bw) -> dict:
 def step(p, mm_tflops) -> dict:
     import torch
     from distcourse.gpt import GPT, GPTConfig
-    from distcourse.plan import Layout, predict
+    from distcourse.planner import Layout, predict
     from distcourse.sizes import Shape
     cfg = GPTConfig(50304, 1024, 12, 12, 768)
     model = GPT(cfg).cuda()

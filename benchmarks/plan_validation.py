@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from distcourse.machine import load_profile
-from distcourse.plan import Layout, memory, predict, printed_ms
+from distcourse.planner import Layout, memory, predict, printed_ms
 from distcourse.sizes import shape_of
 
 HERE = Path(__file__).resolve().parent

@@ -1,8 +1,8 @@
 """The command lines people expect (lessons 09, 01 and 09c): --help in sections with each fixed set of choices, a
 boolean flag alone means true, a typo of a flag, a preset or a choice names the nearest one, an unknown bare model name
 is refused before any Hub call, --print_config prints YAML that --config reads back, and the planner's table speaks
-milliseconds and MiB per rank, its ties ordered by what it prints, and its --explain says why the first row beats the
-second, term by term."""
+a unit a column (microseconds to seconds, MiB to GiB per rank), its ties ordered by what it prints, and its --explain
+says why the first row beats the second, term by term."""
 import json
 import re
 import time
@@ -14,6 +14,7 @@ import yaml
 
 import distcourse.config as config
 import distcourse.plan as plan
+import distcourse.planner as planner
 from conftest import PY, run_cli
 from distcourse.config import Config, ConfigError, parse_args
 from distcourse.machine import PROFILES
@@ -136,23 +137,63 @@ def test_print_config_is_a_config_file(tmp_path, capsys):
 
 
 def test_plan_help_and_table(capsys):
-    "One help line per flag; times in ms (no e-notation); rows of equal printed time by the smaller MiB/rank."
+    "One help line per flag; a unit a column, named in its header (no e-notation); equal steps by the smaller memory."
     with pytest.raises(SystemExit): plan.main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("model", "n_layer", "world", "global_batch", "seq_len", "profile", "top", "explain"):
+    for flag in ("model", "n_layer", "world", "global_batch", "seq_len", "profile", "top", "explain", "memory",
+                 "published"):
         line = re.search(rf"--{flag}\b[^\n]*\n?[^\n-]*", text).group(0)
         assert "(default: " in text and not re.fullmatch(r"--\w+ \S+\s+default \S+\s*", line), line
     assert "{tiny,small,base,tiny-moe,small-moe}" in text
     rows = plan.main(["--model", "tiny", "--profile", "h100-node", "--world", "8", "--top", "12"])
     out = capsys.readouterr().out
-    assert "step ms" in out and "MiB/rank" in out and "equal step times: the smaller MiB/rank" in out
+    assert "equal step times: the smaller memory per rank" in out
+    head = next(l for l in out.splitlines() if l.split()[:2] == ["#", "layout"])
+    mem_unit, step_unit = re.search(r"(\S+)/rank\s+step (\S+)", head).groups()
+    assert (mem_unit, step_unit) == ("MiB", "µs")  # tiny on H100s: tens of microseconds a step
     table = [l.split() for l in out.splitlines() if re.match(r"\s+\d+ dp\d", l)]
     assert len(table) == 12 and not any("e-" in l or "e+" in l for l in out.splitlines() if re.match(r"\s+\d", l))
-    mib, ms = [float(w[-5].replace(",", "")) for w in table], [float(w[-4].replace(",", "")) for w in table]
-    assert ms == sorted(ms) and ms[0] == float(f"{rows[0]['step_s'] * 1e3:.4g}")
-    for i in range(1, len(ms)):
-        if ms[i] == ms[i - 1]: assert mib[i] >= mib[i - 1], (table[i - 1], table[i])
-    assert any(ms[i] == ms[i - 1] for i in range(1, len(ms)))  # a tie to order is in this table
+    mib, us = [float(w[-5].replace(",", "")) for w in table], [float(w[-4].replace(",", "")) for w in table]
+    assert us == sorted(us) and us[0] / 1e3 == pytest.approx(plan.printed_ms(rows[0]), rel=1e-12)
+    assert mib[0] == round(rows[0]["memory"]["total"] / 2**20, 1)
+    for i in range(1, len(us)):
+        if us[i] == us[i - 1]: assert mib[i] >= mib[i - 1], (table[i - 1], table[i])
+    assert any(us[i] == us[i - 1] for i in range(1, len(us)))  # a tie to order is in this table
+
+
+def test_plan_units_follow_the_column():
+    "Seconds and GiB for Llama 3 405B on H100s, one unit a column, the digits plan() ranks on; counts stay whole."
+    h100 = PROFILES["h100-node"]
+    L = planner.Layout(64, 1, 8, 16, "interleaved", 32, activation_checkpointing="selective")
+    rows = [planner.predict(planner.LLAMA3_405B, L, 8192, h100), planner.predict(planner.LLAMA3_405B,
+            planner.Layout(64, 1, 8, 16, "1f1b", 32, activation_checkpointing=True), 8192, h100)]
+    head, *lines = plan.table(rows).splitlines()
+    assert "GiB/rank" in head and "step s" in head and "M tokens/s" in head
+    for r, line in zip(rows, lines):
+        w = line.split()
+        assert float(w[-4]) == float(f"{r['step_s']:.4g}") and float(w[-5]) == round(r["memory"]["total"] / 2**30, 1)
+    assert [plan.sig4(x) for x in (12345.6, 0.6143, 4.205e-05)] == ["12,350", "0.6143", "0.00004205"]
+    assert plan.unit_of([0.0421, 12.3], "seconds")[0] == "ms" and plan.unit_of([3334, 1e6], "count")[0] == ""
+    assert plan.readable(3 * 2**30, "bytes", 1) == "3.0 GiB"
+
+
+def test_plan_memory_bars(capsys):
+    "--memory: a bar a pipeline stage, each family's letters in proportion, the fullest the bar's width."
+    rows = plan.main(["--model", "small", "--n_layer", "4", "--world", "4", "--global_batch", "16", "--top", "1",
+                      "--memory"])
+    out = capsys.readouterr().out
+    L, s = rows[0]["layout"], plan.shape_of("small", 4)
+    bars = re.findall(r"stage +(\d+) \|(.{48})\| +([\d,.]+) MiB", out)
+    assert [int(k) for k, _, _ in bars] == list(range(L.pp)) and L.pp > 1
+    full = max(planner.memory(s, L, 128, "fp32", k)["total"] for k in range(L.pp))
+    for k, bar, mib in bars:
+        m = planner.memory(s, L, 128, "fp32", int(k))
+        assert float(mib.replace(",", "")) == round(m["total"] / 2**20, 1)
+        assert sum(plan.families(m).values()) == m["total"]  # every term of memory() in one family
+        for letter, v in plan.families(m).items():
+            assert abs(bar.count(letter) - v * 48 / full) <= 1, (k, letter, bar)
+    assert max(len(bar.rstrip()) for _, bar, _ in bars) == 48
+    assert "L" in bars[-1][1] and "L" not in bars[0][1]  # the logits on the last stage
 
 
 def explained(argv, capsys):
@@ -214,7 +255,7 @@ def test_plan_explain_says_when_memory_or_the_name_decided(capsys):
 def test_plan_explain_with_one_feasible_layout(capsys, tmp_path):
     "A device with memory for recomputation's layout only: --explain says it is the only one."
     shape, h100 = plan.shape_of("tiny"), PROFILES["h100-node"]
-    peaks = [plan.predict(shape, L, 128, h100)["memory"]["total"] for L in plan.layouts(shape, 1, 1, 128, h100)]
+    peaks = [planner.predict(shape, L, 128, h100)["memory"]["total"] for L in planner.layouts(shape, 1, 1, 128, h100)]
     assert len(peaks) == 2
     (tmp_path / "gpu.json").write_text(json.dumps(asdict(h100) | {"name": "gpu", "mem_bytes": sum(peaks) / 2}))
     rows, lines = explained(["--model", "tiny", "--world", "1", "--global_batch", "1", "--profile",

@@ -9,14 +9,14 @@ from itertools import product
 
 import pytest
 
-import distcourse.plan as plan
+import distcourse.planner as plan
 from conftest import ROOT
 from distcourse.gpu_costs import (matmul_s, replay_order, schedule_costs, selective_terms, stage_layers,
                                   torch_order)
-from distcourse.machine import PROFILES, collective_s
+from distcourse.machine import PROFILES, collective_s, load_profile
 from distcourse.pipeline import bubble_fraction
 from distcourse.schedules import actions, in_flight, replay_actions
-from distcourse.sizes import Shape
+from distcourse.sizes import Shape, shape_of
 
 pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
 
@@ -49,7 +49,7 @@ def test_a_matmul_by_its_shape():
     share = [2 * m * 4096**2 / matmul_s(H100, m, 4096, 4096) / H100.flops for m in (8, 64, 256, 4096)]
     assert share == sorted(share) and share[0] < 0.05 and share[-1] == pytest.approx(H100.mm_frac)
     # b1 x 8 and b8 x 1 no longer tie: 8 micro-batches of 1 sequence against 1 of 8, seq 128
-    small = plan.shape_of("small", n_layer=4)
+    small = shape_of("small", n_layer=4)
     one, eight = (plan.step_time(small, plan.Layout(1, batch_size=b, grad_accum=8 // b), 128, H100)
                   for b in (1, 8))
     assert sum(one.values()) > 1.2 * sum(eight.values())
@@ -101,7 +101,7 @@ def test_the_validation_file_is_what_its_script_computes(tmp_path):
         import plan_validation
         for name, f in got["files"].items():
             measured = json.loads((ROOT / "benchmarks" / name).read_text())
-            rows = plan_validation.rows_of(measured, plan.load_profile("measured"))
+            rows = plan_validation.rows_of(measured, load_profile("measured"))
             for w, s in f["worlds"].items():
                 want = plan_validation.summary([r for r in rows if r["world"] == int(w)])
                 assert set(want) == set(s)

@@ -14,12 +14,13 @@ from transformers import GPT2Config
 
 import distcourse.config as config
 import distcourse.layout as layout
-import distcourse.plan as plan
+import distcourse.planner as plan
 from conftest import ROOT
 from distcourse.config import ConfigError, parse_args
 from distcourse.layout import REFUSED, ParallelDims, build_mesh
 from distcourse.machine import PROFILES
 from distcourse.mesh import mesh_layout
+from distcourse.sizes import shape_of
 
 pytestmark = pytest.mark.fast  # parsing, planning and a fake process group: seconds
 
@@ -89,7 +90,7 @@ PLANNED = {  # a row -> (model, a property of a layout that only the row keeps o
 @pytest.mark.parametrize("row", PLANNED, ids=lambda r: "-".join(r))
 def test_a_row_removed_unlocks_it_in_the_planner(row, monkeypatch):
     model, has = PLANNED[row]
-    shape, profile = plan.shape_of(model, 4 if model == "small" else 0), PROFILES["h100-node"]
+    shape, profile = shape_of(model, 4 if model == "small" else 0), PROFILES["h100-node"]
     def listed(): return [L for L in plan.layouts(shape, 4, 16, 128, profile, model=model, n_layer=shape.n_layer
                                                   if model == "small" else 0) if has(L)]
     assert not listed(), row
@@ -110,7 +111,7 @@ def test_config_imports_neither_the_mesh_nor_the_training_stack():
         m = todo.pop()
         if m not in seen: seen.add(m); todo += imports_of(m)
     stack = {"mesh", "expert_mesh", "engines", "ddp", "zero", "launch", "train", "evaluation", "resume", "reshard",
-             "outputs", "plan"}
+             "outputs", "plan", "planner"}
     assert "layout" in seen and not seen & stack, sorted(seen & stack)
 
 

@@ -1,5 +1,6 @@
-"""The planner (lesson 09c): its memory terms are the earlier lessons' functions, its CLI prints a table and a
-command the trainer accepts, what cannot run is never listed, and an exercise check refuses a wrong answer."""
+"""The planner (lessons 09c and 09d): its memory terms are the earlier lessons' functions, its CLI prints a table and
+a command the trainer accepts, what cannot run is never listed, the published runs print from the CLI, and an
+exercise check refuses a wrong answer."""
 import json
 import os
 import re
@@ -9,18 +10,20 @@ from dataclasses import replace
 import pytest
 from accelerate.utils import patch_environment
 
-import distcourse.plan as plan
-from distcourse.machine import PROFILES
+import distcourse.plan as cli
+import distcourse.planner as plan
+from distcourse.machine import PROFILES, load_profile
 from conftest import ROOT
 from distcourse.config import parse_args
 from distcourse.gpt import GPT, flops_per_token
 from distcourse.memory import zero_bytes
 from distcourse.model import num_params
 from distcourse.recompute import activation_terms
+from distcourse.sizes import n_params, shape_of
 
 pytestmark = pytest.mark.fast  # every test here is quick: in the fast tier
 
-SMALL = plan.shape_of("small", n_layer=4)
+SMALL = shape_of("small", n_layer=4)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -41,7 +44,7 @@ def test_activations_are_05b_terms():
 
 
 def test_cli_prints_a_table_and_a_command_the_trainer_accepts(capsys, tmp_path):
-    rows = plan.main(["--model", "small", "--n_layer", "4", "--world", "4", "--global_batch", "16", "--top", "3"])
+    rows = cli.main(["--model", "small", "--n_layer", "4", "--world", "4", "--global_batch", "16", "--top", "3"])
     out = capsys.readouterr().out
     table = [l for l in out.splitlines() if re.match(r"\s+\d+ dp\d", l)]
     assert len(table) == 3 and "dominant" in out
@@ -58,14 +61,14 @@ def test_cli_prints_a_table_and_a_command_the_trainer_accepts(capsys, tmp_path):
 
 
 def test_infeasible_layouts_are_not_enumerated():
-    here = plan.load_profile("measured")
+    here = load_profile("measured")
     found = plan.layouts(SMALL, 4, 16, 128, here, model="small", n_layer=4)
     assert found and all(L.world == 4 and L.dp * L.grad_accum * L.batch_size == 16 for L in found)
     assert not any(L.tp == 3 for L in found)  # 05c can't split 4 heads 3 ways
     assert any(L.tp > 1 and L.zero_stage == 3 for L in found)  # FSDP2 over the data axes (07c): listed
     assert any(L.tp > 1 and L.zero_stage == 1 for L in found)  # 05a's flat AdamW over the data axes (07c): listed
     assert plan.trainer_accepts(plan.Layout(1, cp=2, batch_size=8), "base", 128)  # the refusal (dropout), said
-    base = plan.layouts(plan.shape_of("base"), 4, 16, 128, here, model="base", batch_sizes=(4,))
+    base = plan.layouts(shape_of("base"), 4, 16, 128, here, model="base", batch_sizes=(4,))
     assert base and not any(L.pp > 1 or L.cp > 1 for L in base)  # 09 refuses them: base has dropout
     dp4 = [plan.memory(SMALL, L, 128)["total"] for L in found if L.dp == 4 and not L.activation_checkpointing
            and L.batch_size == 16 // 4]
@@ -73,6 +76,35 @@ def test_infeasible_layouts_are_not_enumerated():
     kept = plan.layouts(SMALL, 4, 16, 128, tight, model="small", n_layer=4, batch_sizes=(4,), recompute=(False,))
     over = [L for L in kept if L.dp == 4 and plan.memory(SMALL, L, 128)["total"] * 4 > tight.mem_bytes]
     assert not over and any(L.dp == 4 for L in kept)
+
+
+def test_no_stage_without_a_layer():
+    "Llama 3 405B's 126 layers on 8,192 GPUs: no pipeline of more (virtual) stages than layers is listed."
+    found = plan.layouts(plan.LLAMA3_405B, 8192, 2048, 8192, PROFILES["h100-node"], zero_stages=(1,),
+                         schedules=("1f1b", "interleaved"), cp_impls=("ring",), batch_sizes=(1,), recompute=(True,))
+    v = lambda L: 2 if L.pp_schedule == "interleaved" else 1
+    assert found and all(L.pp * v(L) <= 126 for L in found)
+    assert any(L.pp == 64 and v(L) == 1 for L in found) and not any(L.pp == 64 and v(L) == 2 for L in found)
+
+
+def test_published_runs_print_from_the_cli(capsys, monkeypatch):
+    "--published: 09c's comparison, each prediction the planner's own for the published degrees' best variant."
+    runs = plan.published_runs()
+    assert len(runs) == 13 and sum(r[-1] == "TFLOP/s" for r in runs) == 10  # Megatron-LM's rows, Llama 3's three
+    monkeypatch.setattr(plan, "published_runs", lambda: [runs[0], runs[3]])  # one of each: the lesson prints all
+    rows = cli.main(["--published"])
+    out = capsys.readouterr().out
+    assert len(rows) == 2 and "Llama 3 405B, 8K" in out and "Megatron 1.7B" in out
+    assert "mean |error|: Megatron-LM's 1 rows" in out
+    for r, (name, s, world, batch, seq, prof, deg, reported, what) in zip(rows, (runs[0], runs[3])):
+        L = next(L for L in plan.layouts(s, world, batch, seq, prof, zero_stages=(0, 1, 2),
+                                         schedules=("1f1b", "interleaved"), cp_impls=("ring",), batch_sizes=(1,),
+                                         recompute=(True,) if what == "TFLOP/s" else (False, "selective", True))
+                 if str(L) == r["layout"])
+        assert (L.dp, L.tp, L.pp, L.cp) == deg and r["reported"] == reported
+        mfu = plan.predict(s, L, seq, prof)["mfu"]
+        assert r["pred"] == pytest.approx(mfu * (prof.flops * 4 / 3 if what == "TFLOP/s" else 1))
+        assert r["error"] == pytest.approx(r["pred"] / reported - 1) and f"{r['error']:+.0%}" in out
 
 
 def test_exercise_check_refuses_a_wrong_answer():
@@ -88,14 +120,14 @@ def test_exercise_check_refuses_a_wrong_answer():
 
 
 def test_shared_cores_count_the_machines_work():
-    here = plan.load_profile("measured")
+    here = load_profile("measured")
     pp4, even = plan.Layout(1, pp=4, grad_accum=8, batch_size=2), plan.Shape("even", 8, 256, 4, vocab_size=64)
     # a waiting stage gives its core to another process: no idle time on 4 processes of 2 cores, unlike on GPUs;
     # (with `small`'s 8,192-word output layer the last stage is the slowest rank, and that shows as "bubble")
     assert plan.step_time(even, pp4, 128, here)["bubble"] == 0 < plan.step_time(even, pp4, 128, PROFILES["h100-node"])["bubble"]
     assert plan.step_time(SMALL, pp4, 128, here)["bubble"] > 0
     ddp, zero1 = (plan.step_time(SMALL, plan.Layout(4, z, batch_size=4), 128, here) for z in (0, 1))
-    adamw = plan.n_params(SMALL)["total"] * here.adamw_s  # DDP: every rank updates every parameter; ZeRO 1: a quarter
+    adamw = n_params(SMALL)["total"] * here.adamw_s  # DDP: every rank updates every parameter; ZeRO 1: a quarter
     assert ddp["compute"] - zero1["compute"] == pytest.approx(3 * adamw / min(here.cores, 4))
 
 

@@ -16,7 +16,7 @@ from distcourse.gpu_costs import attention_s, block_matmuls, matmul_s
 from distcourse.machine import PROFILES, Profile, collective_s
 import distcourse.memory as memory_module
 from distcourse.memory import check_prediction
-from distcourse.plan import Layout, bubble, dp_messages, held, layouts, memory, rank_params, step_time
+from distcourse.planner import Layout, bubble, dp_messages, held, layouts, memory, rank_params, step_time
 from distcourse.sizes import Shape, block_params, flops_token, n_params
 
 pytestmark = pytest.mark.fast  # the problem cells are arithmetic on the lessons' functions: seconds
