@@ -114,8 +114,7 @@ def explain(rows: list) -> str:
     return (f"why #1 {a['layout']} and not #2 {b['layout']}:\n  {why}\n"
             f"  step time, #2 minus #1: {_terms(a['time'], b['time'], ss, su, decimals)}\n"
             f"  memory per rank {a['memory']['total'] / mb:,.1f} vs {b['memory']['total'] / mb:,.1f} {mu}, "
-            f"#2 minus #1: "
-            f"{_terms(a['memory'], b['memory'], mb, mu, 1)}")
+            f"#2 minus #1: {_terms(a['memory'], b['memory'], mb, mu, 1)}")
 
 # %% ../nbs/09d_plan_cli.ipynb #e745472c
 def main(argv=None):
